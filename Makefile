@@ -1,0 +1,44 @@
+# Two commands do all set-up: `make demo` and `make test`. Both install first if needed.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The venv is rebuilt only when these files change (content hash, not mtime).
+LOCK_HASH := $(shell cat requirements.txt requirements-lock.txt setup.py 2>/dev/null | sha256sum | cut -c1-16)
+STAMP  := $(VENV)/.installed-$(LOCK_HASH)
+export OMP_NUM_THREADS ?= 1
+export WANDB_MODE ?= offline
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+
+.PHONY: install demo test lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.txt -c requirements-lock.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+	@echo "installed into $(VENV)"
+
+demo: install
+	$(PY) -m recipes.demo
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+bench: install
+	$(PY) bench/ema.py
+	$(PY) bench/convert.py
+
+clean:
+	rm -rf runs outputs .pytest_cache

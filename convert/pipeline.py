@@ -1,0 +1,250 @@
+"""Run a conversion: inputs -> one MDS sub-dataset each (in worker processes) -> merged index + report.
+
+Restartable by construction: input NAME becomes `<out>/[<bucket>/]NAME/` and, once completely written
+(and uploaded), a completion marker `<out>/_done/NAME.json`. A rerun skips inputs that have a marker
+and clears and rewrites any that do not, so a run killed at any moment leaves nothing a rerun can
+double. The top-level index.json (and one per bucket) is merged at the end from the markers only, so
+it never names a shard of an unfinished input.
+"""
+
+import ctypes
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import signal
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from convert.common import ConvertError, Part, Skipped
+from convert.mds import PartWriter
+from convert.report import build_report, merge_indexes
+from convert.samples import Options, bucket_label, prepare
+from convert.storage import LocalStore, S3Store, open_store
+
+log = logging.getLogger(__name__)
+
+MARKERS = "_done"
+REPORT = "convert-report.json"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every worker needs; plain data so it crosses into worker processes."""
+
+    store: LocalStore | S3Store
+    columns: dict
+    options: Options
+    digest: str
+    work_dir: Path
+
+    def bucket_folders(self, name: str) -> list[str]:
+        buckets = self.options.buckets
+        return [f"{bucket_label(b)}/{name}" for b in buckets] if buckets else [name]
+
+
+def default_work_dir(out: str) -> Path:
+    """Same place for the same --out on every run, so a rerun finds its downloads and staging."""
+    return Path(tempfile.gettempdir()) / f"sd-convert-{hashlib.sha1(out.encode()).hexdigest()[:12]}"
+
+
+def convert_part(part: Part, job: Job, progress=None) -> dict:
+    """Write one input's sub-dataset(s), publish them, then its completion marker (returned)."""
+    for folder in job.bucket_folders(part.name):
+        job.store.clear(folder)  # whatever an interrupted earlier attempt left behind
+    opts = job.options
+    writer = PartWriter(
+        job.store.staging("", job.work_dir),
+        part.name,
+        job.columns,
+        opts.buckets,
+        opts.compression,
+        opts.shard_size_limit,
+    )
+    skipped, repaired, pending = Counter(), Counter(), 0
+    try:
+        for raw in part.samples():
+            result = raw if isinstance(raw, Skipped) else prepare(raw, opts, job.columns)
+            if isinstance(result, Skipped):
+                skipped[result.reason] += 1
+                log.debug("%s: skipped %s: %s", part.name, result.key, result.reason)
+            else:
+                writer.write(result[0])
+                for reason in result[1]:
+                    repaired[reason] += 1
+            pending += 1
+            if progress is not None and pending == 64:
+                progress(pending)
+                pending = 0
+        indexes = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    if progress is not None and pending:
+        progress(pending)
+    for bucket in indexes:
+        job.store.publish(writer.folder(bucket), f"{bucket}/{part.name}" if bucket else part.name)
+    marker = {
+        "input": part.name,
+        "options": job.digest,
+        "samples_written": sum(entry["rows"] for entry in indexes.values()),
+        "samples_skipped": dict(skipped),
+        "samples_repaired": dict(repaired),
+        "buckets": indexes,
+    }
+    job.store.write_bytes(f"{MARKERS}/{part.name}.json", json.dumps(marker).encode())
+    return marker
+
+
+def _attempt(part: Part, job: Job, progress) -> tuple[str, dict | None, str | None]:
+    """(name, marker, None), or (name, None, error) for an input that failed in a way nobody foresaw:
+    the other inputs go on, and having no marker, this one is retried by the next run."""
+    try:
+        return part.name, convert_part(part, job, progress), None
+    except ConvertError:
+        raise
+    except Exception as err:
+        log.debug("input %s failed", part.name, exc_info=True)
+        return part.name, None, f"{type(err).__name__}: {err}"
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(job: Job, counter) -> None:
+    # Die with the parent: a killed conversion must not leave workers writing into folders that the
+    # rerun is about to clear (Linux only; elsewhere they finish their current input and exit).
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _WORKER.update(job=job, counter=counter)
+
+
+def _worker_progress(n: int) -> None:
+    counter = _WORKER["counter"]
+    with counter.get_lock():
+        counter.value += n
+
+
+def _run_in_worker(part: Part):
+    return _attempt(part, _WORKER["job"], _worker_progress)
+
+
+def run_parts(todo: list[Part], job: Job, workers: int, bar: tqdm) -> Iterator[tuple]:
+    if workers <= 1 or len(todo) <= 1:
+        for part in todo:
+            yield _attempt(part, job, bar.update)
+        return
+    # fork: workers start in milliseconds, where spawn would re-import torch (via streaming) in each
+    ctx = mp.get_context("fork")
+    counter, shown = ctx.Value("q", 0), 0
+    with ctx.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=(job, counter)) as pool:
+        results = pool.imap_unordered(_run_in_worker, todo)
+        while True:
+            try:
+                result = results.next(timeout=0.2)
+            except mp.TimeoutError:
+                result = None
+            except StopIteration:
+                break
+            finally:
+                bar.update(counter.value - shown)
+                shown = counter.value
+            if result is not None:
+                yield result
+
+
+def read_markers(store, names: list[str]) -> dict[str, dict]:
+    present = set(store.list_names(MARKERS, ".json")) & set(names)
+    if isinstance(store, LocalStore):
+        return {n: store.read_json(f"{MARKERS}/{n}.json") for n in present}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:  # one small GET each: overlap the round trips
+        return dict(zip(present, pool.map(lambda n: store.read_json(f"{MARKERS}/{n}.json"), present)))
+
+
+def convert(
+    parts: list[Part],
+    out: str,
+    options: Options,
+    columns: dict,
+    *,
+    source: str = "",
+    src: str = "",
+    workers: int = 1,
+    work_dir: str | Path | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> dict:
+    """Convert every input not yet done, merge the index, write and return the report."""
+    names = [p.name for p in parts]
+    if len(set(names)) != len(names):
+        raise ConvertError(
+            f"--src {src}: two inputs map to the same name {Counter(names).most_common(1)[0][0]}"
+        )
+    store = open_store(out)
+    store.check()
+    digest = options.digest(columns)
+    job = Job(store, columns, options, digest, Path(work_dir or default_work_dir(out)))
+    started = time.monotonic()
+    with store.lock():
+        markers = {} if overwrite else read_markers(store, names)
+        other = sorted(n for n, m in markers.items() if m.get("options") != digest)
+        if other:
+            raise ConvertError(
+                f"--out {store.url}: input {other[0]} (and {len(other) - 1} more) was converted with other "
+                "options; rerun with the same options, use a new --out, or pass --overwrite"
+            )
+        done = {n: markers[n] for n in names if n in markers}
+        todo = [p for p in parts if p.name not in done]
+        log.info(
+            "%d inputs, %d already done, %d to convert -> %s", len(parts), len(done), len(todo), store.url
+        )
+        sizes = [p.size for p in todo]
+        total = sum(sizes) if None not in sizes else None
+        failed, this_run = {}, []
+
+        def report(error=None) -> dict:
+            args = (source, src, store.url, options, parts, done, failed, this_run)
+            return build_report(*args, time.monotonic() - started, error=error)
+
+        bar = tqdm(total=total, unit="sample", desc="convert", disable=not progress, smoothing=0.1)
+        try:
+            for name, marker, error in run_parts(todo, job, workers, bar):
+                if error is not None:
+                    failed[name] = error
+                    log.warning("input %s failed and will be retried by the next run: %s", name, error)
+                else:
+                    done[name] = marker
+                    this_run.append(marker)
+        except ConvertError as err:
+            try:  # best effort: the store may be what failed
+                store.write_bytes(REPORT, json.dumps(report(str(err)), indent=2).encode())
+            except ConvertError:
+                pass
+            raise
+        finally:
+            bar.close()
+        merge_indexes(store, [done[n] for n in names if n in done], job.work_dir)
+        final = report()
+        store.write_bytes(REPORT, json.dumps(final, indent=2).encode())
+    _prune_empty(job.work_dir)
+    return final
+
+
+def _prune_empty(folder: Path) -> None:
+    """Remove the work dir's empty folders (all of it when nothing is left, e.g. no downloads)."""
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True) + [folder]:
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()

@@ -1,0 +1,31 @@
+"""Streaming dataset of precomputed latents, as written by `python -m convert latents`.
+
+Rows hold `latents_{R}` (the VAE posterior's mean and logvar at resolution R, unscaled, fp16) and
+`text_embeds` (77, D) fp16. The model samples from the moments and applies the latent scale itself,
+so training on these is the same computation as training on the images.
+"""
+
+import torch
+from streaming import StreamingDataset
+
+
+def latents_column(resolution: int) -> str:
+    return f"latents_{resolution}"
+
+
+class LatentsDataset(StreamingDataset):
+    def __init__(self, *, resolution: int, **streaming_kwargs):
+        super().__init__(**streaming_kwargs)
+        self.column = latents_column(resolution)
+
+    def __getitem__(self, index):
+        sample = super().__getitem__(index)
+        if self.column not in sample:
+            have = sorted(k for k in sample if k.startswith("latents_"))
+            raise KeyError(
+                f"no {self.column} column in this dataset (it has {have}); convert at this resolution"
+            )
+        return {
+            "latents": torch.from_numpy(sample[self.column]).float(),
+            "text_embeds": torch.from_numpy(sample["text_embeds"]).float(),
+        }

@@ -1,0 +1,23 @@
+"""Stable Diffusion ComposerModel, its presets, and the builders a run config picks by preset name."""
+
+from models.autoencoder import Autoencoder, build_autoencoder
+from models.build import build_model
+from models.presets import PRESETS
+from models.stable_diffusion import StableDiffusion
+
+# `model.preset` in a run config -> the builder its other keys go to. `<preset>-vae` trains only
+# that preset's VAE (yamls/tiny-vae.yaml).
+MODELS = {
+    **{name: build_model for name in PRESETS},
+    **{f"{name}-vae": build_autoencoder for name in PRESETS},
+}
+
+
+def build(preset: str, **options):
+    """The ComposerModel a run config's `model:` section describes."""
+    if preset not in MODELS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(MODELS)}")
+    return MODELS[preset](preset, **options)
+
+
+__all__ = ["MODELS", "PRESETS", "Autoencoder", "StableDiffusion", "build", "build_autoencoder", "build_model"]

@@ -1,0 +1,127 @@
+"""`build_model(preset, **options)`: a preset's architecture, optionally with pretrained components,
+the objective options, and the speed/memory switches."""
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+from diffusers.models.attention_processor import AttnProcessor
+from transformers import CLIPTextModel, CLIPTokenizer
+
+from data.tokenizer import build_tokenizer
+from models.presets import build_components
+from models.stable_diffusion import StableDiffusion
+
+log = logging.getLogger(__name__)
+
+# What `pretrained_components` may name, and the diffusers subfolder and class of each.
+COMPONENTS = {
+    "unet": ("unet", UNet2DConditionModel),
+    "vae": ("vae", AutoencoderKL),
+    "text_encoder": ("text_encoder", CLIPTextModel),
+    "tokenizer": ("tokenizer", CLIPTokenizer),
+    "scheduler": ("scheduler", DDPMScheduler),
+}
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def _check_source(pretrained: str) -> None:
+    """A local folder must exist; anything else must look like a hub id (loaded when online)."""
+    if Path(pretrained).expanduser().exists():
+        return
+    if _HUB_ID.match(pretrained) and not pretrained.startswith("."):
+        log.info("model.pretrained=%s is not a local folder; loading it from the hub", pretrained)
+        return
+    raise FileNotFoundError(f"model.pretrained={pretrained}: no such folder (and not a hub id like org/name)")
+
+
+def _load_component(name: str, pretrained: str):
+    subfolder, cls = COMPONENTS[name]
+    local = Path(pretrained).expanduser()
+    if local.exists() and not (local / subfolder).is_dir():
+        raise FileNotFoundError(f"model.pretrained={pretrained} has no '{subfolder}/' folder for the {name}")
+    source = str(local) if local.exists() else pretrained
+    return cls.from_pretrained(source, subfolder=subfolder)
+
+
+def build_model(
+    preset: str,
+    *,
+    pretrained: str | None = None,
+    pretrained_components: tuple[str, ...] | list[str] = ("unet", "vae", "text_encoder", "tokenizer"),
+    prediction_type: str = "epsilon",
+    offset_noise: float = 0.0,
+    min_snr_gamma: float | None = None,
+    zero_terminal_snr: bool = False,
+    caption_drop_prob: float = 0.0,
+    gradient_checkpointing: bool = False,
+    channels_last: bool = False,
+    attention: str = "sdpa",
+    low_precision_norms: str | None = None,
+    compile_unet: bool = False,
+) -> StableDiffusion:
+    """The ComposerModel for `preset` (a name in models.presets.PRESETS).
+
+    pretrained: a diffusers-format folder (or hub id) to load `pretrained_components` from; the
+        others keep the preset's random initialisation. The seed recipe loads the VAE and text
+        encoder and trains the UNet from scratch: pretrained_components=[vae, text_encoder, tokenizer].
+    zero_terminal_snr: rescale the betas so the last timestep is pure noise (Lin et al. 2023);
+        needs v-prediction, since epsilon is not learnable at zero SNR.
+    attention: "sdpa" (torch scaled_dot_product_attention, diffusers' default on torch 2) or
+        "math" (the plain attention processor, for debugging or exotic devices).
+    low_precision_norms: "amp_bf16" or "amp_fp16" to run the UNet's GroupNorm/LayerNorm in that
+        precision with Composer's low-precision modules (only meaningful under that AMP precision).
+    """
+    unknown = set(pretrained_components) - set(COMPONENTS)
+    if unknown:
+        raise ValueError(
+            f"pretrained_components: unknown {sorted(unknown)}; choose from {sorted(COMPONENTS)}"
+        )
+    if zero_terminal_snr and prediction_type != "v_prediction":
+        raise ValueError(
+            "zero_terminal_snr needs prediction_type=v_prediction (epsilon is undefined at SNR 0)"
+        )
+    if attention not in ("sdpa", "math"):
+        raise ValueError(f"attention={attention!r}; choose 'sdpa' or 'math'")
+
+    parts = build_components(preset)
+    parts["tokenizer"] = build_tokenizer()
+    if pretrained is not None:
+        _check_source(pretrained)
+        for name in pretrained_components:
+            key = "noise_scheduler" if name == "scheduler" else name
+            parts[key] = _load_component(name, pretrained)
+            log.info("loaded %s from %s", name, pretrained)
+        if "vae" in pretrained_components:  # the latent scale belongs to the VAE it was measured on
+            parts["latent_scale"] = parts["vae"].config.scaling_factor
+    if zero_terminal_snr:
+        parts["noise_scheduler"] = DDPMScheduler.from_config(
+            parts["noise_scheduler"].config, rescale_betas_zero_snr=True
+        )
+
+    unet = parts["unet"]
+    if attention == "math":
+        unet.set_attn_processor(AttnProcessor())
+    if gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    if channels_last:
+        unet.to(memory_format=torch.channels_last)
+    if low_precision_norms is not None:
+        from composer.algorithms.low_precision_groupnorm import apply_low_precision_groupnorm
+        from composer.algorithms.low_precision_layernorm import apply_low_precision_layernorm
+        from composer.core import Precision
+
+        apply_low_precision_groupnorm(unet, Precision(low_precision_norms))
+        apply_low_precision_layernorm(unet, Precision(low_precision_norms))
+    if compile_unet:
+        parts["unet"] = torch.compile(unet)
+
+    return StableDiffusion(
+        prediction_type=prediction_type,
+        offset_noise=offset_noise,
+        min_snr_gamma=min_snr_gamma,
+        caption_drop_prob=caption_drop_prob,
+        **parts,
+    )

@@ -1,0 +1,211 @@
+"""Composer checkpoint -> StableDiffusion model -> diffusers `StableDiffusionPipeline` folder.
+
+    python -m models.export CHECKPOINT OUT_DIR [--ema | --raw] [--preset tiny]
+
+The checkpoint stores weights only, not which preset built them, so the architecture is inferred by
+matching the checkpoint's tensor shapes against every preset in models/presets.py (`--preset` names
+it instead). The UNet is the EMA average when the checkpoint has one (`--ema`, the default then) or
+the raw training weights (`--raw`). The exported folder loads with
+`StableDiffusionPipeline.from_pretrained(OUT_DIR)` and samples like `StableDiffusion.generate` with
+the DDIM sampler.
+"""
+
+import argparse
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from diffusers import DDIMScheduler, StableDiffusionPipeline
+from transformers.integrations.accelerate import init_empty_weights
+
+from data.tokenizer import build_tokenizer
+from models.presets import PRESETS, build_components
+from models.stable_diffusion import StableDiffusion
+
+log = logging.getLogger(__name__)
+
+COMPONENTS = ("unet", "vae", "text_encoder")
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """The `state` of a Composer checkpoint file, its tensors memory-mapped (the optimizer state,
+    twice the UNet's size, is never read)."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"{path} is a folder: give one checkpoint file (sharded checkpoints are unsupported)"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError:  # mmap needs the zip format torch.save writes by default; older files lack it
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    state = checkpoint.get("state") if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict) or "model" not in state:
+        raise ValueError(f"{path} is not a Composer checkpoint (no state['model'] in it)")
+    return state
+
+
+def model_state(state: dict) -> dict[str, torch.Tensor]:
+    # DDP adds "module."; the EMA algorithm strips it too, so both name tensors the same way.
+    return {k.removeprefix("module."): v for k, v in state["model"].items()}
+
+
+def ema_state(state: dict) -> dict[str, torch.Tensor] | None:
+    """name -> averaged tensor of the EMA algorithm, or None when the checkpoint has no average
+    (no EMA algorithm, or saved before its `ema_start`)."""
+    for name, algorithm_state in state.get("algorithms") or []:
+        if name == "EMA":
+            return algorithm_state.get("ema")
+    return None
+
+
+@functools.cache
+def _preset_shapes(preset: str) -> dict[str, tuple[int, ...]]:
+    # Built on the meta device: shapes of sd2-base's 1.3B parameters with no memory and no init.
+    with torch.device("meta"):
+        components = build_components(preset)
+    shapes = {
+        f"{name}.{key}": tuple(tensor.shape)
+        for name in COMPONENTS
+        for key, tensor in components[name].state_dict().items()
+    }
+    return {**shapes, "latent_scale": ()}  # StableDiffusion's buffer: the VAE's latent scale
+
+
+def _difference(expected: dict, weights: dict) -> str | None:
+    """The first way `weights` does not fit a preset's shapes, or None when they match."""
+    missing, unexpected = expected.keys() - weights.keys(), weights.keys() - expected.keys()
+    if missing or unexpected:
+        return f"{len(missing)} missing and {len(unexpected)} unexpected tensors, e.g. " + ", ".join(
+            sorted(missing)[:1] + sorted(unexpected)[:1]
+        )
+    for key, shape in expected.items():
+        if tuple(weights[key].shape) != shape:
+            return f"{key} is {tuple(weights[key].shape)}, the preset has {shape}"
+    return None
+
+
+def infer_preset(weights: dict[str, torch.Tensor]) -> str:
+    """The preset whose architecture has exactly these tensor names and shapes."""
+    differences = {}
+    for preset in PRESETS:
+        differences[preset] = _difference(_preset_shapes(preset), weights)
+        if differences[preset] is None:
+            return preset
+    details = "; ".join(f"{preset}: {why}" for preset, why in differences.items())
+    raise ValueError(f"the checkpoint's weights match no preset in models/presets.py ({details})")
+
+
+def load_model_from_checkpoint(
+    path: str | Path,
+    ema: bool | None = None,
+    *,
+    preset: str | None = None,
+    prediction_type: str = "epsilon",
+) -> StableDiffusion:
+    """The StableDiffusion model of a Composer checkpoint, on the CPU in eval mode.
+
+    ema: True for the EMA-averaged UNet (an error if the checkpoint has none), False for the raw
+        training weights, None for the average when there is one.
+    preset: the architecture; inferred from the tensor shapes when None.
+    prediction_type: what the UNet was trained to predict. The checkpoint does not record it, so a
+        `v_prediction` run must say so here or its samples come out wrong.
+    """
+    state = read_checkpoint(path)
+    weights = model_state(state)
+    averaged = ema_state(state)
+    if ema and averaged is None:
+        raise ValueError(
+            f"--ema: {path} has no EMA weights (the run had no EMA algorithm, or saved before its "
+            "ema_start); export the raw weights with --raw"
+        )
+    use_ema = averaged is not None if ema is None else ema
+    if use_ema:
+        unknown = averaged.keys() - weights.keys()
+        if unknown:
+            raise ValueError(f"EMA state names tensors the model lacks, e.g. {sorted(unknown)[:3]}")
+        # Copies in the model's dtype: the average may be stored in bf16, and its tensors are views
+        # into one flat buffer, which safetensors refuses to save as separate tensors.
+        weights.update({k: v.to(weights[k].dtype, copy=True) for k, v in averaged.items()})
+    log.info("%s: %s UNet weights", path, "EMA-averaged" if use_ema else "raw")
+
+    if preset is None:
+        preset = infer_preset(weights)
+        log.info("%s: inferred preset %r from the tensor shapes", path, preset)
+    elif preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    elif (why := _difference(_preset_shapes(preset), weights)) is not None:
+        raise ValueError(f"{path} does not hold preset {preset!r}: {why}")
+
+    # Parameters on the meta device, replaced by the checkpoint's tensors below: no random init of
+    # weights about to be overwritten. Buffers (CLIP's position ids, not in the state dict) stay real.
+    with init_empty_weights():
+        components = build_components(preset)
+    model = StableDiffusion(tokenizer=build_tokenizer(), prediction_type=prediction_type, **components)
+    model.load_state_dict(weights, strict=True, assign=True)
+    return model.eval()
+
+
+def export_pipeline(model: StableDiffusion, out_dir: str | Path) -> Path:
+    """Write `model` as a diffusers StableDiffusionPipeline folder (safetensors weights)."""
+    out_dir = Path(out_dir)
+    # The pipeline decodes with vae.config.scaling_factor; the model with its own latent_scale.
+    model.vae.register_to_config(scaling_factor=float(model.latent_scale))
+    pipeline = StableDiffusionPipeline(
+        vae=model.vae,
+        text_encoder=model.text_encoder,
+        tokenizer=model.tokenizer,
+        unet=model.unet,
+        # The training schedule (and prediction_type) with the deterministic DDIM sampler, which is
+        # also StableDiffusion.generate's default.
+        scheduler=DDIMScheduler.from_config(model.noise_scheduler.config),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+    log.info("wrote a StableDiffusionPipeline to %s", out_dir)
+    return out_dir
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("checkpoint", help="a Composer checkpoint file (e.g. ep0-ba200-rank0.pt)")
+    parser.add_argument("out_dir", help="folder to write the diffusers pipeline to")
+    add_weight_args(parser)
+    return parser.parse_args(argv)
+
+
+def add_weight_args(parser: argparse.ArgumentParser) -> None:
+    """--ema/--raw, --preset and --prediction-type: how to read a checkpoint (shared with generate)."""
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument(
+        "--ema", dest="ema", action="store_true", default=None, help="EMA UNet (default when present)"
+    )
+    weights.add_argument("--raw", dest="ema", action="store_false", help="raw training UNet weights")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), help="architecture (default: inferred from the shapes)"
+    )
+    parser.add_argument(
+        "--prediction-type",
+        choices=("epsilon", "v_prediction"),
+        default="epsilon",
+        help="what the run trained the UNet to predict (not recorded in checkpoints)",
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    model = load_model_from_checkpoint(
+        args.checkpoint, args.ema, preset=args.preset, prediction_type=args.prediction_type
+    )
+    out_dir = export_pipeline(model, args.out_dir)
+    print(f"pipeline: {out_dir.resolve()}")
+
+
+if __name__ == "__main__":
+    main()

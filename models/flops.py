@@ -1,0 +1,143 @@
+"""Training FLOPs per image and model FLOPs utilisation (MFU).
+
+    python -m models.flops --preset sd2-base --resolution 256 512 [--images-per-sec 120 --gpu h100]
+
+FLOPs are counted by `torch.utils.flop_counter.FlopCounterMode` over one UNet forward + backward, the
+trained part of a step, with models built on the meta device: no memory, no compute, about a second
+even for sd2-base. The counter covers matmuls, convolutions and attention (the usual MFU convention);
+norms and elementwise ops are left out. The frozen VAE encoder and text encoder also run forward every
+step; `frozen_flops_per_image` counts them, separately, since MFU conventionally counts only the
+model being trained.
+"""
+
+import argparse
+import functools
+import logging
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from models.presets import PRESETS, build_components
+
+log = logging.getLogger(__name__)
+
+CONTEXT_LENGTH = 77  # CLIP tokens: the UNet attends to a 77 x cross_attention_dim context
+_BATCH = 2  # count a batch of 2 and divide, so no per-batch-of-1 shortcut can skew the count
+
+# Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s.
+PEAK_BF16_FLOPS = {
+    "a100": 312e12,
+    "h100": 989e12,  # SXM; the PCIe card is 756e12
+    "h200": 989e12,
+}
+
+
+def _vae_factor(preset: str) -> int:
+    return 2 ** (len(PRESETS[preset]["vae"]["block_out_channels"]) - 1)
+
+
+def latent_size(preset: str, resolution: int) -> int:
+    """The side of the latents for square images of `resolution` pixels, checked to fit the UNet."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    factor = _vae_factor(preset)
+    # Each UNet down block but the last halves the latents; the up path must find the same sizes.
+    unet_factor = 2 ** (len(PRESETS[preset]["unet"]["block_out_channels"]) - 1)
+    if resolution <= 0 or resolution % (factor * unet_factor):
+        raise ValueError(
+            f"resolution {resolution} for preset {preset!r} must be a positive multiple of "
+            f"{factor * unet_factor} (VAE factor {factor} x UNet factor {unet_factor})"
+        )
+    return resolution // factor
+
+
+def _count(fn) -> int:
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def _meta_components(preset: str) -> dict:
+    with torch.device("meta"):
+        return build_components(preset)
+
+
+@functools.cache
+def training_flops_per_image(preset: str, resolution: int) -> float:
+    """FLOPs of the UNet forward + backward for one image of `resolution` x `resolution` pixels."""
+    side = latent_size(preset, resolution)
+    unet = _meta_components(preset)["unet"]
+    with torch.device("meta"):
+        latents = torch.randn(_BATCH, unet.config.in_channels, side, side)
+        context = torch.randn(_BATCH, CONTEXT_LENGTH, unet.config.cross_attention_dim)
+        timesteps = torch.randint(0, 1000, (_BATCH,))
+
+    def step():
+        unet(latents, timesteps, encoder_hidden_states=context).sample.float().pow(2).mean().backward()
+
+    flops = _count(step) / _BATCH
+    log.info("%s at %d px (%dx%d latents): %.4g FLOP per image", preset, resolution, side, side, flops)
+    return flops
+
+
+@functools.cache
+def frozen_flops_per_image(preset: str, resolution: int) -> float:
+    """FLOPs of the frozen forwards a training step also runs: VAE encoder + text encoder."""
+    latent_size(preset, resolution)  # the same checks
+    components = _meta_components(preset)
+    vae, text_encoder = components["vae"], components["text_encoder"]
+    with torch.device("meta"):
+        images = torch.randn(_BATCH, vae.config.in_channels, resolution, resolution)
+        input_ids = torch.zeros(_BATCH, CONTEXT_LENGTH, dtype=torch.long)
+
+    def forward():
+        with torch.no_grad():
+            vae.encode(images).latent_dist.sample()
+            text_encoder(input_ids)
+
+    return _count(forward) / _BATCH
+
+
+def mfu(images_per_sec: float, flops_per_image: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s over the hardware's peak (per device: pass the
+    images/s of one device, or the total with peak_flops x the number of devices)."""
+    if peak_flops <= 0:
+        raise ValueError(f"peak_flops must be positive, got {peak_flops}")
+    if images_per_sec < 0 or flops_per_image < 0:
+        raise ValueError("images_per_sec and flops_per_image must be non-negative")
+    return images_per_sec * flops_per_image / peak_flops
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="sd2-base")
+    parser.add_argument("--resolution", type=int, nargs="+", default=[256, 512], help="pixels")
+    parser.add_argument("--images-per-sec", type=float, help="measured throughput per device, for MFU")
+    peak = parser.add_mutually_exclusive_group()
+    peak.add_argument("--gpu", choices=sorted(PEAK_BF16_FLOPS), help="take the bf16 peak of this GPU")
+    peak.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one device")
+    args = parser.parse_args(argv)
+    peak_flops = PEAK_BF16_FLOPS[args.gpu] if args.gpu else (args.peak_tflops or 0) * 1e12
+    if args.images_per_sec is not None and not peak_flops:
+        parser.error("--images-per-sec needs --gpu or --peak-tflops")
+    for resolution in args.resolution:
+        try:
+            latent_size(args.preset, resolution)
+        except ValueError as error:
+            parser.error(str(error))
+
+    for resolution in args.resolution:
+        train = training_flops_per_image(args.preset, resolution)
+        frozen = frozen_flops_per_image(args.preset, resolution)
+        line = (
+            f"{args.preset} {resolution} px: UNet fwd+bwd {train / 1e12:.4g} TFLOP/image, "
+            f"frozen VAE encoder + text encoder fwd {frozen / 1e12:.4g} TFLOP/image"
+        )
+        if args.images_per_sec is not None:
+            line += f", MFU {mfu(args.images_per_sec, train, peak_flops):.1%}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

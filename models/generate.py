@@ -1,0 +1,130 @@
+"""Sample a grid of images from a Composer checkpoint or an exported diffusers folder.
+
+    python -m models.generate CHECKPOINT_OR_DIR "a red circle" "a blue square" --out grid.png \
+        [--n-per-prompt 4] [--seed 0] [--steps 25] [--guidance 5] [--sampler ddim|euler|dpm++] \
+        [--negative-prompt "..."] [--ema | --raw] [--preset tiny] [--device cuda]
+
+One row per prompt, `--n-per-prompt` columns. Every row starts from the same seeded noise, so column
+j differs between rows only by the prompt, and a prompt's row does not depend on the other prompts.
+--ema/--raw, --preset and --prediction-type say how to read a checkpoint; a folder carries its own.
+"""
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+from torchvision.utils import save_image
+from transformers import CLIPTextModel, CLIPTokenizer
+
+from models.export import add_weight_args, load_model_from_checkpoint
+from models.stable_diffusion import SAMPLERS, StableDiffusion
+
+log = logging.getLogger(__name__)
+
+GRID_PADDING = 2  # pixels between the images of the grid (torchvision's default)
+
+
+def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion:
+    """A StableDiffusion model from a diffusers StableDiffusionPipeline folder (models.export's
+    output, or any SD folder with the same components), on the CPU in eval mode."""
+    folder = Path(folder)
+    if not (folder / "model_index.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a diffusers pipeline folder (no model_index.json)")
+    local = dict(local_files_only=True)
+    # Without `accelerate` installed diffusers cannot skip the random init; saying so explicitly
+    # silences its warning about it.
+    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", low_cpu_mem_usage=False, **local)
+    unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", low_cpu_mem_usage=False, **local)
+    # The saved sampler (DDIM) as the training DDPM schedule: generate() builds its sampler from it.
+    scheduler_config = DDPMScheduler.load_config(folder, subfolder="scheduler", **local)
+    log.info("%s: loaded the pipeline's components", folder)
+    return StableDiffusion(
+        unet=unet,
+        vae=vae,
+        text_encoder=CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", **local),
+        tokenizer=CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", **local),
+        noise_scheduler=DDPMScheduler.from_config(scheduler_config),
+        latent_scale=vae.config.scaling_factor,
+        prediction_type=scheduler_config.get("prediction_type", "epsilon"),
+    ).eval()
+
+
+def load_model(path: str | Path, ema: bool | None = None, **checkpoint_kwargs) -> StableDiffusion:
+    """A checkpoint file or an exported pipeline folder, whichever `path` is."""
+    path = Path(path)
+    if path.is_dir():
+        if ema is not None:
+            raise ValueError(
+                f"--ema/--raw choose weights inside a checkpoint; {path} is an exported folder that "
+                "already holds the weights it was exported with"
+            )
+        return load_model_from_pipeline_dir(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint or pipeline folder at {path}")
+    return load_model_from_checkpoint(path, ema, **checkpoint_kwargs)
+
+
+def sample_grid(
+    model: StableDiffusion,
+    prompts: list[str],
+    n_per_prompt: int = 1,
+    *,
+    seed: int = 0,
+    **generate_kwargs,
+) -> torch.Tensor:
+    """Images (len(prompts) * n_per_prompt, 3, H, W) in [0, 1], prompt-major (a row per prompt)."""
+    if not prompts:
+        raise ValueError("give at least one prompt")
+    if n_per_prompt < 1:
+        raise ValueError(f"n_per_prompt must be >= 1, got {n_per_prompt}")
+    rows = []
+    for prompt in prompts:  # one prompt at a time: the same noise per row and bounded memory
+        rows.append(model.generate([prompt] * n_per_prompt, seed=seed, **generate_kwargs).cpu())
+    return torch.cat(rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("source", help="a Composer checkpoint file or an exported pipeline folder")
+    parser.add_argument("prompts", nargs="+", help="one grid row per prompt")
+    parser.add_argument("--out", required=True, help="PNG file to write")
+    parser.add_argument("--n-per-prompt", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale")
+    parser.add_argument("--sampler", choices=sorted(SAMPLERS), default="ddim")
+    parser.add_argument("--negative-prompt", default=None)
+    parser.add_argument("--height", type=int, default=None, help="pixels (default: the model's size)")
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_weight_args(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    model = load_model(args.source, args.ema, preset=args.preset, prediction_type=args.prediction_type)
+    model.to(args.device)
+    images = sample_grid(
+        model,
+        args.prompts,
+        args.n_per_prompt,
+        seed=args.seed,
+        negative_prompt=args.negative_prompt,
+        guidance_scale=args.guidance,
+        num_inference_steps=args.steps,
+        height=args.height,
+        width=args.width,
+        sampler=args.sampler,
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_image(images, out, nrow=args.n_per_prompt, padding=GRID_PADDING)
+    print(f"grid: {out.resolve()}  ({len(args.prompts)} rows x {args.n_per_prompt} columns)")
+
+
+if __name__ == "__main__":
+    main()

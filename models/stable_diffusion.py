@@ -1,0 +1,208 @@
+"""The Stable Diffusion ComposerModel: a trainable UNet conditioned on a frozen text encoder, trained
+on the latents of a frozen VAE with the DDPM objective.
+
+A batch holds either images and token ids (`image` in [-1, 1], `input_ids`) or what
+`python -m convert latents` precomputed from them (`latents`: the VAE's Gaussian moments, unscaled;
+`text_embeds`). Both paths sample the latent from the moments and apply `latent_scale` once, here,
+so the loss is the same for the same noise and timesteps.
+"""
+
+import torch
+import torch.nn.functional as F
+from composer.models import ComposerModel
+from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from torchmetrics import MeanSquaredError
+
+from data.tokenizer import tokenize
+
+SAMPLERS = {
+    "ddim": DDIMScheduler,
+    "euler": EulerDiscreteScheduler,
+    "dpm++": DPMSolverMultistepScheduler,
+}
+
+
+class StableDiffusion(ComposerModel):
+    """`unet` trains; `vae` and `text_encoder` are frozen and stay in eval mode.
+
+    Objective options:
+        prediction_type: "epsilon" (SD2 base) or "v_prediction".
+        offset_noise: adds offset_noise * N(0, 1) per (sample, channel) to the noise, which lets the
+            model shift an image's mean brightness (Guttenberg 2023; 0.1 is usual).
+        min_snr_gamma: weights each sample's loss by min(SNR, gamma) / SNR (epsilon) or
+            min(SNR, gamma) / (SNR + 1) (v) (Hang et al. 2023; 5.0 is usual).
+        caption_drop_prob: replaces a sample's text condition by the empty caption's, which trains
+            the unconditional branch that classifier-free guidance needs (SD used 0.1).
+    """
+
+    def __init__(
+        self,
+        unet,
+        vae,
+        text_encoder,
+        tokenizer,
+        noise_scheduler,
+        *,
+        latent_scale: float,
+        prediction_type: str = "epsilon",
+        offset_noise: float = 0.0,
+        min_snr_gamma: float | None = None,
+        caption_drop_prob: float = 0.0,
+    ):
+        super().__init__()
+        if prediction_type not in ("epsilon", "v_prediction"):
+            raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', not {prediction_type!r}")
+        if not 0.0 <= caption_drop_prob <= 1.0:
+            raise ValueError(f"caption_drop_prob must be in [0, 1], not {caption_drop_prob}")
+        self.unet = unet
+        self.vae = vae.requires_grad_(False).eval()
+        self.text_encoder = text_encoder.requires_grad_(False).eval()
+        self.tokenizer = tokenizer
+        self.noise_scheduler = noise_scheduler
+        self.noise_scheduler.register_to_config(prediction_type=prediction_type)
+        # A buffer, so checkpoints carry it: a VAE trained here has its own scale (models/autoencoder.py).
+        self.register_buffer("latent_scale", torch.tensor(float(latent_scale)))
+        self.prediction_type = prediction_type
+        self.offset_noise = offset_noise
+        self.min_snr_gamma = min_snr_gamma
+        self.caption_drop_prob = caption_drop_prob
+        self.val_mse = MeanSquaredError()
+        # Sharding only the UNet: the frozen parts are small next to it and have no optimizer state.
+        self.unet._fsdp_wrap = True
+        self.vae._fsdp_wrap = False
+        self.text_encoder._fsdp_wrap = False
+
+    def train(self, mode: bool = True):
+        # Composer toggles train()/eval() on the whole model; the frozen parts must never leave eval.
+        super().train(mode)
+        self.vae.eval()
+        self.text_encoder.eval()
+        return self
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    # -- conditioning ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def vae_moments(self, images: torch.Tensor) -> torch.Tensor:
+        """The VAE posterior's (mean, logvar), concatenated on channels: what `convert latents` stores."""
+        return self.vae.encode(images).latent_dist.parameters
+
+    def sample_latents(self, moments: torch.Tensor) -> torch.Tensor:
+        return DiagonalGaussianDistribution(moments.float()).sample() * self.latent_scale
+
+    @torch.no_grad()
+    def encode_text(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.text_encoder(input_ids)[0]
+
+    def empty_text_embedding(self, device) -> torch.Tensor:
+        """The embedding of "" (1, 77, D): the unconditional branch's condition."""
+        return self.encode_text(tokenize(self.tokenizer, [""]).to(device))
+
+    def _context(self, batch) -> torch.Tensor:
+        if "text_embeds" in batch:
+            context = batch["text_embeds"].float()
+            drop = self._drop_mask(context.shape[0], context.device)
+            if drop.any():
+                context = torch.where(drop[:, None, None], self.empty_text_embedding(context.device), context)
+            return context
+        ids = batch["input_ids"]
+        drop = self._drop_mask(ids.shape[0], ids.device)
+        if drop.any():
+            ids = torch.where(drop[:, None], tokenize(self.tokenizer, [""]).to(ids.device), ids)
+        return self.encode_text(ids)
+
+    def _drop_mask(self, n: int, device) -> torch.Tensor:
+        if not self.training or self.caption_drop_prob == 0.0:
+            return torch.zeros(n, dtype=torch.bool, device=device)
+        return torch.rand(n, device=device) < self.caption_drop_prob
+
+    # -- training --------------------------------------------------------------------------------
+    def forward(self, batch):
+        moments = batch["latents"] if "latents" in batch else self.vae_moments(batch["image"])
+        latents = self.sample_latents(moments)
+        context = self._context(batch)
+        noise = torch.randn_like(latents)
+        if self.offset_noise:
+            noise = noise + self.offset_noise * torch.randn(*latents.shape[:2], 1, 1, device=latents.device)
+        timesteps = torch.randint(
+            0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
+        )
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        if self.prediction_type == "epsilon":
+            target = noise
+        else:
+            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        prediction = self.unet(noisy, timesteps, encoder_hidden_states=context).sample
+        return prediction, target, timesteps
+
+    def _snr(self, timesteps: torch.Tensor) -> torch.Tensor:
+        alphas = self.noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps]
+        return alphas / (1 - alphas)
+
+    def loss(self, outputs, batch):
+        prediction, target, timesteps = outputs
+        per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        if self.min_snr_gamma is None:
+            return per_sample.mean()
+        snr = self._snr(timesteps)
+        weight = snr.clamp(max=self.min_snr_gamma)
+        weight = weight / snr if self.prediction_type == "epsilon" else weight / (snr + 1)
+        return (per_sample * weight).mean()
+
+    def eval_forward(self, batch, outputs=None):
+        return outputs if outputs is not None else self.forward(batch)
+
+    def get_metrics(self, is_train: bool = False):
+        return {} if is_train else {"MeanSquaredError": self.val_mse}
+
+    def update_metric(self, batch, outputs, metric):
+        metric.update(outputs[0].float().flatten(), outputs[1].float().flatten())
+
+    # -- sampling --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str],
+        negative_prompt: str | None = None,
+        guidance_scale: float = 5.0,
+        num_inference_steps: int = 25,
+        height: int | None = None,
+        width: int | None = None,
+        seed: int = 0,
+        sampler: str = "ddim",
+    ) -> torch.Tensor:
+        """Images for `prompts` as a float tensor (B, 3, H, W) in [0, 1], with classifier-free guidance.
+
+        The initial noise comes from a CPU generator seeded with `seed`, so the same seed gives the
+        same image on any device.
+        """
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}; choose one of {sorted(SAMPLERS)}")
+        device = next(self.unet.parameters()).device
+        scheduler = SAMPLERS[sampler].from_config(self.noise_scheduler.config)
+        scheduler.set_timesteps(num_inference_steps, device=device)
+        factor = self.vae_scale_factor
+        height = height or self.unet.config.sample_size * factor
+        width = width or self.unet.config.sample_size * factor
+
+        n = len(prompts)
+        ids = tokenize(self.tokenizer, list(prompts) + [negative_prompt or ""] * n).to(device)
+        context = self.encode_text(ids)
+        cond, uncond = context[:n], context[n:]
+        shape = (n, self.unet.config.in_channels, height // factor, width // factor)
+        generator = torch.Generator().manual_seed(seed)
+        latents = torch.randn(shape, generator=generator).to(device) * scheduler.init_noise_sigma
+        was_training = self.unet.training
+        self.unet.eval()
+        for t in scheduler.timesteps:
+            model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
+            eps = self.unet(model_in, t, encoder_hidden_states=torch.cat([uncond, cond])).sample
+            eps_uncond, eps_cond = eps.chunk(2)
+            eps = eps_uncond + guidance_scale * (eps_cond - eps_uncond)
+            latents = scheduler.step(eps, t, latents).prev_sample
+        self.unet.train(was_training)
+        images = self.vae.decode(latents / self.latent_scale).sample
+        return (images.float() / 2 + 0.5).clamp(0, 1)

@@ -1,0 +1,134 @@
+"""Callbacks the recipes use besides Composer's own."""
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import checkpoint, dist, format_name_with_dist, reproducibility
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class NaNGuard(Callback):
+    """Stops training at the first NaN (or Inf) loss, naming the batch.
+
+    The check runs after the loss and before the backward pass and optimizer step, so the weights
+    are still those of the last good batch: with `save_last_good`, they are saved (with optimizer,
+    EMA, data position and RNG state) to `{save_folder}/last-good-ba{N}-rank{R}.pt` before stopping,
+    and the `latest` link points there, so rerunning the command resumes from it. A remote (s3://)
+    save_folder keeps it in the local staging folder that the message names; it is not uploaded.
+    `check_inf=False` stops on NaN only.
+    """
+
+    def __init__(self, check_inf: bool = True, save_last_good: bool = True):
+        self.check_inf = check_inf
+        self.save_last_good = save_last_good
+
+    def after_loss(self, state: State, logger: Logger) -> None:
+        losses = state.loss.values() if isinstance(state.loss, dict) else [state.loss]
+        bad = any(
+            torch.isnan(loss).any() or (self.check_inf and torch.isinf(loss).any())
+            for loss in losses
+            if isinstance(loss, torch.Tensor)
+        )
+        if dist.get_world_size() > 1:  # every rank must stop (and join the save) together
+            flag = state.device.tensor_to_device(torch.tensor([float(bad)]))
+            dist.all_reduce(flag, reduce_operation="MAX")
+            bad = bool(flag.item())
+        if not bad:
+            return
+        batch = int(state.timestamp.batch) + 1  # the batch being trained, 1-based like checkpoints
+        where = ""
+        saver = next((cb for cb in state.callbacks if type(cb).__name__ == "CheckpointSaver"), None)
+        if self.save_last_good and saver is not None and "://" not in str(saver.folder):
+            folder = Path(format_name_with_dist(saver.folder, state.run_name))
+            path = checkpoint.save_checkpoint(state, str(folder / f"last-good-ba{batch - 1}-rank{{rank}}.pt"))
+            if path is not None:  # the rank that wrote the file (rank 0 without sharding)
+                _point_latest_at(saver, state, Path(path))
+                where = f"; the weights after batch {batch - 1} are saved in {path}"
+        message = f"loss is not finite at batch {batch}{where}"
+        log.error(message)
+        raise NonFiniteLossError(message)
+
+
+def _point_latest_at(saver, state: State, path: Path) -> None:
+    """Rerunning the command (autoresume) then resumes from the last good state, not from an older
+    interval checkpoint. Replaced atomically: a kill here leaves the old link or the new one."""
+    if saver.latest_filename is None:
+        return
+    latest = Path(saver.latest_filename.format(state))
+    tmp = latest.with_name(f".tmp-{os.getpid()}-{latest.name}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(os.path.relpath(path, latest.parent))
+    os.replace(tmp, latest)
+
+
+class LossLog(Callback):
+    """Appends `{"batch": N, "loss": x}` per batch to a JSON-lines file on rank 0 (for audits and
+    the resume tests); a resumed run appends the batches it re-trains again."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() != 0:
+            return
+        loss = state.loss.item() if isinstance(state.loss, torch.Tensor) else float("nan")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"batch": int(state.timestamp.batch), "loss": loss}) + "\n")
+            f.flush()
+
+
+def read_loss_log(path: str | Path) -> dict[int, float]:
+    """batch -> loss, keeping the last record for batches that a resumed run trained again."""
+    records = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            records[row["batch"]] = row["loss"]
+    return dict(sorted(records.items()))
+
+
+class RestoreRngOnResume(Callback):
+    """Restores the checkpoint's RNG state when a run resumes mid-epoch on a StreamingDataset.
+
+    Composer 0.32 restores RNG only when it spins the dataloader forward or resumes at an epoch
+    boundary; when the dataset resumes itself (streaming's `load_state_dict`) mid-epoch, the state
+    is loaded but never applied, so noise, timesteps and caption dropout differ from the
+    uninterrupted run. It is applied here, once the first batch is fetched: creating the new
+    dataloader iterator draws from the RNG (its base seed), which the uninterrupted run did at the
+    epoch's start, before the checkpointed state; fetching itself draws nothing (see the
+    dataset's deterministic flips). A checkpoint of an epoch's last batch resumes into an epoch with
+    no batch left: the state is applied at that epoch's end instead, before the next epoch's
+    iterator draws its seed, as it did in the uninterrupted run.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.pending = None
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        resumed_mid_epoch = int(state.timestamp.batch_in_epoch) > 0 and "train" in state.dataset_resumption
+        if self.trainer._rng_state is not None and resumed_mid_epoch:
+            self.pending, self.trainer._rng_state = self.trainer._rng_state, None
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        self._restore(f"at batch {int(state.timestamp.batch) + 1}")
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        self._restore(f"at the end of epoch {int(state.timestamp.epoch)}")
+
+    def _restore(self, when: str) -> None:
+        if self.pending is not None:
+            reproducibility.load_rng_state(self.pending)
+            self.pending = None
+            log.info("restored the checkpoint's RNG state %s", when)

@@ -1,0 +1,40 @@
+"""Crash-safe checkpoint files.
+
+Composer 0.32 writes a local checkpoint straight to its final name. A run killed mid-write leaves
+a truncated `ep*-ba*-rank*.pt`: the `latest` symlink still points at the previous checkpoint, so
+autoresume is unaffected, but the resumed run then fails when it saves that batch again (the file
+exists) or, with save_overwrite, a user may load the torn file by name. Writing to a temporary
+name in the same folder and renaming it into place (atomic on POSIX) means a checkpoint file
+either is complete or does not exist.
+"""
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+from composer.utils import checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def install_atomic_checkpoint_writes() -> None:
+    """Make composer's checkpoint file writes atomic (idempotent)."""
+    original = checkpoint._write_checkpoint_file
+    if getattr(original, "_atomic", False):
+        return
+
+    @functools.wraps(original)
+    def write_atomically(state_dict, filename: str) -> None:
+        final = Path(filename)
+        # Same folder (rename stays on one filesystem) and same suffix (composer picks tar/compressed
+        # formats from the name).
+        tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
+        try:
+            original(state_dict, str(tmp))
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    write_atomically._atomic = True
+    checkpoint._write_checkpoint_file = write_atomically

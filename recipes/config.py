@@ -1,0 +1,200 @@
+"""Run config: compose a YAML with Hydra, then check it against a typed schema.
+
+One YAML is one complete run. `load_config(path, overrides)` composes it (the YAML's folder is the
+Hydra config dir, so defaults lists work) and `parse_config(cfg)` turns it into a `RunConfig`,
+rejecting unknown keys with a message that names the key and the nearest valid one.
+"""
+
+import difflib
+import inspect
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+
+from data.image_caption import ImageCaptionDataConfig
+
+
+class ConfigError(ValueError):
+    """A config mistake, reported before any model or data is built."""
+
+
+@dataclass
+class DataConfig:
+    train: ImageCaptionDataConfig = field(default_factory=ImageCaptionDataConfig)
+    eval: ImageCaptionDataConfig | None = None
+
+
+@dataclass
+class RunConfig:
+    run_name: str
+    global_train_batch_size: int
+    optimizer: dict  # {_target_: torch.optim.AdamW, lr: ...}; params are filled in
+    model: dict  # {preset: NAME, **options}: keyword arguments of the builder models.MODELS[NAME]
+    seed: int = 17
+    data: DataConfig = field(default_factory=DataConfig)
+    scheduler: dict | None = None  # {_target_: composer.optim....}
+    # Named so a defaults list or an override can replace one entry: {name: {_target_: ..., ...}}.
+    algorithms: dict[str, dict] = field(default_factory=dict)
+    callbacks: dict[str, dict] = field(default_factory=dict)
+    loggers: dict[str, dict] = field(default_factory=dict)
+    trainer: dict = field(default_factory=dict)  # keyword arguments of composer.Trainer
+    # A recipe YAML that writes `model.pretrained` when that folder is missing (the tiny recipe's
+    # VAE: yamls/tiny-vae.yaml). Run once, on first use, like `data.train.prepare`.
+    prepare_pretrained: str | None = None
+
+
+# composer.Trainer arguments that the recipe fills in from other keys of the config.
+_TRAINER_KEYS_SET_BY_RECIPE = {
+    "model": "model",
+    "train_dataloader": "data.train",
+    "eval_dataloader": "data.eval",
+    "optimizers": "optimizer",
+    "schedulers": "scheduler",
+    "algorithms": "algorithms",
+    "callbacks": "callbacks",
+    "loggers": "loggers",
+    "seed": "seed",
+    "run_name": "run_name",
+}
+
+
+def load_config(yaml_path: str | Path, overrides: list[str] = ()) -> DictConfig:
+    """Compose `yaml_path` with Hydra and apply dotlist overrides (`a.b=c`, `+a=b`, `~a`)."""
+    path = Path(yaml_path).resolve()
+    if not path.is_file():
+        raise ConfigError(f"config file {yaml_path} does not exist")
+    groups = {p.name for p in path.parent.iterdir() if p.is_dir()}
+    # `++key=value` adds or sets, so a key the YAML leaves at its default can still be overridden;
+    # unknown keys are caught by parse_config with a clearer message than Hydra's struct error.
+    hydra_overrides = [o if o[:1] in "+~" or o.split("=", 1)[0] in groups else f"++{o}" for o in overrides]
+    try:
+        with initialize_config_dir(config_dir=str(path.parent), version_base=None):
+            return compose(config_name=path.stem, overrides=hydra_overrides)
+    except (ConfigCompositionException, OverrideParseException) as err:
+        raise ConfigError(f"{path.name}: {err}") from err
+
+
+def parse_config(cfg: DictConfig | dict) -> RunConfig:
+    if isinstance(cfg, DictConfig):
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if missing:  # `???` in a recipe: a value only the user can give (a bucket, a folder)
+            raise ConfigError(
+                f"config key{'s' if len(missing) > 1 else ''} {', '.join(repr(k) for k in missing)} "
+                f"must be set, e.g. {missing[0]}=VALUE on the command line"
+            )
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    raw = {k: v for k, v in cfg.items() if k != "defaults"}
+    for section in ("algorithms", "callbacks", "loggers"):  # `name: null` removes an inherited entry
+        if isinstance(raw.get(section), dict):
+            raw[section] = {k: v for k, v in raw[section].items() if v is not None}
+    run = _build(RunConfig, raw, "")
+    _check_model_keys(run.model)
+    _check_trainer_keys(run.trainer)
+    for section in ("algorithms", "callbacks", "loggers"):
+        for name, spec in getattr(run, section).items():
+            _check_target(spec, f"{section}.{name}")
+    _check_target(run.optimizer, "optimizer")
+    if run.scheduler is not None:
+        _check_target(run.scheduler, "scheduler")
+    return run
+
+
+def _unknown_key(path: str, key: str, valid) -> ConfigError:
+    where = f"{path}.{key}" if path else key
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys here: {', '.join(sorted(valid))}"
+    return ConfigError(f"unknown config key '{where}'{hint}")
+
+
+def _build(cls, raw: Any, path: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"'{path or 'config'}' must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise _unknown_key(path, key, names)
+    kwargs = {}
+    for f in fields(cls):
+        where = f"{path}.{f.name}" if path else f.name
+        if f.name not in raw:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ConfigError(f"required config key '{where}' is missing")
+            continue
+        kwargs[f.name] = _coerce(hints[f.name], raw[f.name], where)
+    return cls(**kwargs)
+
+
+def _coerce(hint, value, where: str):
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"config key '{where}' must be set (it is empty)")
+    for option in options:
+        if is_dataclass(option):
+            return _build(option, value, where)
+    base = [typing.get_origin(o) or o for o in options if o is not type(None)]
+    ok = (
+        (bool in base and isinstance(value, bool))
+        or (int in base and isinstance(value, int) and not isinstance(value, bool))
+        or (float in base and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (str in base and isinstance(value, str))
+        or (dict in base and isinstance(value, dict))
+        or Any in base
+    )
+    if not ok:
+        names = " or ".join(getattr(b, "__name__", str(b)) for b in base)
+        raise ConfigError(f"config key '{where}' must be {names}, got {value!r}")
+    return float(value) if base == [float] else value
+
+
+def _check_model_keys(model: dict) -> None:
+    from models import MODELS
+
+    if model.get("preset") not in MODELS:
+        raise ConfigError(f"'model.preset' must be one of {sorted(MODELS)}, got {model.get('preset')!r}")
+    params = set(inspect.signature(MODELS[model["preset"]]).parameters)
+    for key in model:
+        if key not in params:
+            raise _unknown_key("model", key, params)
+
+
+def _check_trainer_keys(trainer: dict) -> None:
+    from composer import Trainer
+
+    params = set(inspect.signature(Trainer.__init__).parameters) - {"self"}
+    for key in trainer:
+        if key in _TRAINER_KEYS_SET_BY_RECIPE:
+            raise ConfigError(
+                f"'trainer.{key}' is set by the recipe; use the top-level key "
+                f"'{_TRAINER_KEYS_SET_BY_RECIPE[key]}' instead"
+            )
+        if key not in params:
+            raise _unknown_key("trainer", key, params - set(_TRAINER_KEYS_SET_BY_RECIPE))
+
+
+def _check_target(spec: Any, where: str) -> None:
+    if not isinstance(spec, dict) or "_target_" not in spec:
+        raise ConfigError(f"'{where}' needs a '_target_' naming the class to build, got {spec!r}")
+
+
+def check_device(trainer: dict) -> None:
+    """The device and precision this machine can run; called before anything is built."""
+    import torch
+
+    device = trainer.get("device") or ("gpu" if torch.cuda.is_available() else "cpu")
+    if device == "gpu" and not torch.cuda.is_available():
+        raise ConfigError("'trainer.device' is gpu but this machine has no CUDA GPU; use trainer.device=cpu")
+    precision = trainer.get("precision") or "fp32"
+    if device == "cpu" and precision != "fp32":
+        raise ConfigError(
+            f"'trainer.precision' is {precision}, which the CPU cannot run (Composer trains fp32 on CPU); "
+            "use trainer.precision=fp32"
+        )

@@ -1,0 +1,287 @@
+"""Plan a run at several GPU counts: batch split, images seen, days, GPU-hours and cost.
+
+    python -m recipes.plan yamls/RUN.yaml --gpus 8 16 32 64 128 256 --img-per-sec-per-gpu 137.5 \
+        [--price-per-gpu-hour 2] [--microbatch N|auto] [--json] [--plot plan.png] [key=value ...]
+
+The YAML gives the global batch, `trainer.max_duration` (in batches, `550000ba`, or samples, `Nsp`)
+and `trainer.device_train_microbatch_size`; nothing in it depends on the GPU count. Throughput
+comes from `--img-per-sec-per-gpu` or from `--throughput-file`, a JSON file a throughput benchmark
+writes with `write_throughput`:
+
+    {"img_per_sec_per_gpu": 137.5, "resolution": 256, "device": "8x A100-40GB", ...}
+
+Only `img_per_sec_per_gpu` is required; `resolution` is checked against `data.train.resolution`.
+
+Linear scaling is assumed: images/s per GPU is the same at every GPU count, so GPU-hours and cost
+are the same for every row and only the days shrink. Real scaling is worse: the published SD2 base
+figures (mosaicml/diffusion, 256 px) are 1,100 img/s on 8 A100s (137.5 per GPU) but 11,600 on 128
+(90.6 per GPU, 66% of linear). Treat the days and cost as lower bounds at large counts.
+
+A GPU count whose batch split fails (the world size does not divide the global batch, or the
+microbatch does not divide or exceeds the per-device batch) is reported on its row, with `error`
+in JSON, and the rest of the table is still printed; its images, days and cost are what the run
+would take once the split is fixed.
+"""
+
+import argparse
+import json
+import logging
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from recipes.config import ConfigError, load_config, parse_config
+from recipes.scaling import plan_batches
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GPUS = [8, 16, 32, 64, 128, 256]
+DEFAULT_PRICE = 2.0  # $/A100-hour, the price the published mosaicml/diffusion cost figures use
+ROW_KEYS = ["gpus", "per_device_batch", "microbatch", "grad_accum", "images", "days", "gpu_hours", "cost"]
+
+
+@dataclass(frozen=True)
+class Throughput:
+    img_per_sec_per_gpu: float
+    resolution: int | None = None  # the training resolution it was measured at
+    device: str | None = None  # e.g. "8x A100-40GB"; for the record
+    source: str = "--img-per-sec-per-gpu"
+
+
+def write_throughput(path: str | Path, img_per_sec_per_gpu: float, resolution: int, device: str, **extra):
+    """What a throughput benchmark writes for `--throughput-file` (extra keys are kept, not read)."""
+    record = {"img_per_sec_per_gpu": img_per_sec_per_gpu, "resolution": resolution, "device": device, **extra}
+    Path(path).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def read_throughput(path: str | Path) -> Throughput:
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read throughput file {path}: {err}") from err
+    value = record.get("img_per_sec_per_gpu") if isinstance(record, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"throughput file {path} needs a positive 'img_per_sec_per_gpu', got {value!r}")
+    return Throughput(float(value), record.get("resolution"), record.get("device"), source=str(path))
+
+
+def images_to_see(max_duration, global_batch_size: int) -> int:
+    """Images one run sees: batches x global batch, or the sample count itself."""
+    match = re.fullmatch(r"\s*(\d+)\s*(ba|sp)\s*", str(max_duration))
+    if not match:
+        # Epochs (an int, or "Nep") need the dataset size, which the config does not state.
+        raise ConfigError(
+            f"trainer.max_duration={max_duration!r}: the planner needs it in batches (e.g. 550000ba) "
+            f"or samples (e.g. 1126400000sp)"
+        )
+    count, unit = int(match[1]), match[2]
+    return count * global_batch_size if unit == "ba" else count
+
+
+def plan_rows(
+    global_batch_size: int,
+    max_duration,
+    microbatch,
+    gpus: list[int],
+    img_per_sec_per_gpu: float,
+    price: float,
+) -> list[dict]:
+    """One dict per GPU count with ROW_KEYS, plus `error` where the batch split fails."""
+    images = images_to_see(max_duration, global_batch_size)
+    # Linear scaling: the run costs the same GPU-seconds at every count.
+    gpu_hours = images / img_per_sec_per_gpu / 3600
+    rows = []
+    for n in gpus:
+        row = dict.fromkeys(ROW_KEYS)
+        row.update(
+            gpus=n, images=images, days=gpu_hours / n / 24, gpu_hours=gpu_hours, cost=gpu_hours * price
+        )
+        try:
+            row.update(asdict(plan_batches(global_batch_size, n, microbatch)))
+        except ConfigError as err:
+            if global_batch_size % n == 0:
+                row["per_device_batch"] = global_batch_size // n
+            row["error"] = str(err)
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ["GPUs", "per-device batch", "microbatch", "grad accum", "images", "days", "GPU-hours", "cost"]
+
+    def cells(row):
+        def dash(value):
+            return "-" if value is None else str(value)
+
+        if "error" in row:
+            accum = "error"  # the message follows the table
+        else:
+            accum = "auto" if row["microbatch"] == "auto" else str(row["grad_accum"])
+        return [
+            str(row["gpus"]),
+            dash(row["per_device_batch"]),
+            dash(row["microbatch"]),
+            accum,
+            f"{row['images']:,}",
+            f"{row['days']:.2f}",
+            f"{row['gpu_hours']:,.1f}",
+            f"${row['cost']:,.0f}",
+        ]
+
+    table = [header] + [cells(row) for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in table]
+    lines += [f"error at {row['gpus']} GPUs: {row['error']}" for row in rows if "error" in row]
+    return "\n".join(lines)
+
+
+def write_plot(rows: list[dict], path: str | Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a cluster login node or in CI
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
+
+    gpus = [row["gpus"] for row in rows]
+    fig, (ax_days, ax_cost) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_days.plot(gpus, [row["days"] for row in rows], "o-")
+    ax_days.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="days", title="time to train")
+    ax_cost.plot(gpus, [row["cost"] for row in rows], "o-")
+    ax_cost.set(xscale="log", xlabel="GPUs", ylabel="$", title="cost (flat under linear scaling)")
+    ax_cost.set_ylim(bottom=0)
+    for ax in (ax_days, ax_cost):
+        ax.set_xticks(gpus, [str(n) for n in gpus])
+        ax.xaxis.set_minor_locator(NullLocator())  # only the planned counts
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    log.info("wrote %s", path)
+
+
+def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    # `--gpus 8 16 a.b=c` would otherwise hand `a.b=c` to --gpus; Hydra overrides contain `=` or
+    # start with `~` (delete), options start with `-`, so they can be told apart before argparse.
+    def is_override(arg):
+        return not arg.startswith("-") and ("=" in arg or arg.startswith("~"))
+
+    return [a for a in argv if not is_override(a)], [a for a in argv if is_override(a)]
+
+
+def _microbatch(value: str):
+    return value if value == "auto" else int(value)
+
+
+def _gpu_count(value: str) -> int:
+    if int(value) < 1:
+        raise argparse.ArgumentTypeError(f"a GPU count must be at least 1, got {value}")
+    return int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.plan",
+        description="Per-device batch, gradient accumulation, days, GPU-hours and cost of a run at several "
+        "GPU counts. Assumes linear scaling (images/s per GPU constant across GPU counts), so cost is "
+        "the same for every count and the days are a lower bound at large counts.",
+        epilog="Trailing key=value arguments are Hydra overrides of the YAML, as for train.py.",
+    )
+    parser.add_argument("yaml", help="the run config, e.g. yamls/sd2-base.yaml")
+    parser.add_argument(
+        "--gpus", type=_gpu_count, nargs="+", default=DEFAULT_GPUS, help="GPU counts (world sizes)"
+    )
+    parser.add_argument("--img-per-sec-per-gpu", type=float, help="measured training throughput per GPU")
+    parser.add_argument(
+        "--throughput-file", help='JSON from a throughput benchmark: {"img_per_sec_per_gpu": ...}'
+    )
+    parser.add_argument(
+        "--price-per-gpu-hour",
+        type=float,
+        default=DEFAULT_PRICE,
+        help="$ per GPU-hour (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--microbatch",
+        type=_microbatch,
+        help="override trainer.device_train_microbatch_size (int or auto)",
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
+    parser.add_argument("--plot", help="also write a PNG of days and cost vs GPUs")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    options, overrides = _split_overrides(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(options)
+    if args.img_per_sec_per_gpu is None and args.throughput_file is None:
+        parser.error(
+            "no throughput: pass --img-per-sec-per-gpu X (e.g. 137.5 for SD2 base at 256 px on A100s) "
+            "or --throughput-file bench/throughput.json written by a throughput benchmark"
+        )
+    if args.img_per_sec_per_gpu is not None and args.img_per_sec_per_gpu <= 0:
+        parser.error(f"--img-per-sec-per-gpu must be positive, got {args.img_per_sec_per_gpu}")
+    try:
+        cfg = load_config(args.yaml, overrides)
+        # Planning needs no bucket or save folder: fill the `???` keys only a real run must set.
+        for key in OmegaConf.missing_keys(cfg):
+            OmegaConf.update(cfg, key, "unset-for-planning")
+        run = parse_config(cfg)
+        if args.img_per_sec_per_gpu is not None:  # the flag wins over the file
+            throughput = Throughput(args.img_per_sec_per_gpu)
+        else:
+            throughput = read_throughput(args.throughput_file)
+        microbatch = (
+            run.trainer.get("device_train_microbatch_size") if args.microbatch is None else args.microbatch
+        )
+        max_duration = run.trainer.get("max_duration")
+        rows = plan_rows(
+            run.global_train_batch_size,
+            max_duration,
+            microbatch,
+            args.gpus,
+            throughput.img_per_sec_per_gpu,
+            args.price_per_gpu_hour,
+        )
+    except ConfigError as err:
+        sys.exit(f"config error: {err}")
+    if throughput.resolution is not None and throughput.resolution != run.data.train.resolution:
+        log.warning(
+            "throughput in %s was measured at %s px but data.train.resolution is %s px",
+            throughput.source,
+            throughput.resolution,
+            run.data.train.resolution,
+        )
+
+    title = (
+        f"{run.run_name}: {rows[0]['images']:,} images at {throughput.img_per_sec_per_gpu:g} img/s per GPU"
+    )
+    if args.plot:
+        write_plot(rows, args.plot, title)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    device = f" on {throughput.device}" if throughput.device else ""
+    print(
+        f"{args.yaml}: global batch {run.global_train_batch_size}, max_duration {max_duration} "
+        f"-> {rows[0]['images']:,} images"
+    )
+    print(
+        f"throughput {throughput.img_per_sec_per_gpu:g} img/s per GPU{device} (from {throughput.source}), "
+        f"${args.price_per_gpu_hour:g} per GPU-hour"
+    )
+    print(
+        "assumes linear scaling: img/s per GPU is the same at every GPU count, so GPU-hours and cost do "
+        "not change with it; at large counts real days and cost are higher"
+    )
+    print()
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()

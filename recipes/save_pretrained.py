@@ -1,0 +1,45 @@
+"""`SavePretrained`: at the end of training, write the model in diffusers format for the next stage.
+
+The autoencoder recipe (yamls/tiny-vae.yaml) uses it so the diffusion recipe can load the VAE with
+`model.pretrained: FOLDER`. Only rank 0 writes; the others wait, so no rank reads a half-written folder.
+"""
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+log = logging.getLogger(__name__)
+
+
+class SavePretrained(Callback):
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        model = getattr(state.model, "module", state.model)  # unwrap DDP
+        if not hasattr(model, "save_pretrained"):
+            raise TypeError(
+                f"{type(model).__name__} has no save_pretrained(); SavePretrained cannot export it"
+            )
+        if dist.get_global_rank() == 0:
+            # Written beside and renamed into place: a kill mid-save leaves no folder that the next
+            # stage would take for a finished one.
+            folder = Path(self.folder)
+            tmp, old = (
+                folder.with_name(f"{folder.name}.tmp-{os.getpid()}"),
+                folder.with_name(f"{folder.name}.old"),
+            )
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp)
+            if folder.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(folder, old)
+            os.replace(tmp, folder)
+            shutil.rmtree(old, ignore_errors=True)
+            log.info("saved %s to %s", type(model).__name__, folder)
+        dist.barrier()

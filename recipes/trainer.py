@@ -1,0 +1,92 @@
+"""Build the composer Trainer for a run config, and train.
+
+Reads top to bottom in the order things are built: check the config and the batch arithmetic,
+build the model, the data, the optimizer and scheduler, the `_target_` objects, then the Trainer.
+"""
+
+import dataclasses
+import logging
+
+from composer import Trainer
+from composer.utils import dist, reproducibility
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from streaming.base.util import clean_stale_shared_memory
+
+from data.image_caption import build_image_caption_dataloader, ensure_dataset
+from models import build
+from recipes.callbacks import RestoreRngOnResume
+from recipes.checkpointing import install_atomic_checkpoint_writes
+from recipes.config import ConfigError, RunConfig, check_device, parse_config
+from recipes.prepare import prepare_pretrained
+from recipes.scaling import plan_batches
+from recipes.secrets import protect_config_secrets, redact
+
+log = logging.getLogger(__name__)
+
+
+def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
+    run = cfg if isinstance(cfg, RunConfig) else parse_config(cfg)
+    protect_config_secrets(dataclasses.asdict(run))  # before a logger (wandb) records the command line
+    check_device(run.trainer)
+    world_size = dist.get_world_size()
+    plan = plan_batches(
+        run.global_train_batch_size, world_size, run.trainer.get("device_train_microbatch_size")
+    )
+    batch_size = plan.per_device_batch
+    reproducibility.seed_all(run.seed)
+    clean_stale_shared_memory()  # a killed run can leave streaming's shared memory behind
+    install_atomic_checkpoint_writes()
+    for split, data_cfg in (("train", run.data.train), ("eval", run.data.eval)):
+        try:
+            if data_cfg is not None:
+                ensure_dataset(data_cfg)
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(f"data.{split}: {err}") from err
+    if run.prepare_pretrained is not None:
+        prepare_pretrained(run.model.get("pretrained"), run.prepare_pretrained)
+
+    model = build(**run.model)
+    train_loader = build_image_caption_dataloader(run.data.train, model.tokenizer, batch_size)
+    eval_loader = None
+    if run.data.eval is not None:
+        eval_loader = build_image_caption_dataloader(run.data.eval, model.tokenizer, batch_size)
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = instantiate(run.optimizer, params=trainable)
+    scheduler = instantiate(run.scheduler) if run.scheduler is not None else None
+    log.info(
+        "run %s: preset %s, %.1fM trainable parameters; global batch %d = %d devices x %d per device "
+        "(microbatch %s, gradient accumulation %s)",
+        run.run_name,
+        run.model["preset"],
+        sum(p.numel() for p in trainable) / 1e6,
+        run.global_train_batch_size,
+        world_size,
+        batch_size,
+        plan.microbatch,
+        plan.grad_accum,
+    )
+    trainer = Trainer(
+        run_name=run.run_name,
+        seed=run.seed,
+        model=model,
+        train_dataloader=train_loader,
+        eval_dataloader=eval_loader,
+        optimizers=optimizer,
+        schedulers=scheduler,
+        algorithms=[instantiate(spec) for spec in run.algorithms.values()],
+        callbacks=[instantiate(spec) for spec in run.callbacks.values()],
+        loggers=[instantiate(spec) for spec in run.loggers.values()],
+        **run.trainer,
+    )
+    trainer.state.callbacks.append(RestoreRngOnResume(trainer))
+    trainer.logger.log_hyperparameters(redact(dataclasses.asdict(run)))  # what wandb/MLflow show
+    return trainer
+
+
+def train(cfg: RunConfig | DictConfig | dict) -> Trainer:
+    """Build the Trainer for `cfg`, train it to `trainer.max_duration`, and return it."""
+    trainer = build_trainer(cfg)
+    trainer.fit()
+    return trainer

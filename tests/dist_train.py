@@ -1,0 +1,23 @@
+"""Run by tests under `composer -n N`: train, then save this rank's UNet (and EMA) weights.
+
+usage: dist_train.py OUT_DIR YAML [key=value ...]
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from composer.utils import dist
+
+from recipes import load_config, train
+from recipes.ema import find_ema
+
+if __name__ == "__main__":
+    out, yaml_path, *overrides = sys.argv[1:]
+    trainer = train(load_config(yaml_path, overrides))
+    model = getattr(trainer.state.model, "module", trainer.state.model)  # unwrap DDP
+    rank = dist.get_global_rank()
+    torch.save(model.unet.state_dict(), Path(out) / f"unet-rank{rank}.pt")
+    ema = find_ema(trainer.state.algorithms)
+    if ema is not None:
+        torch.save(ema.averaged_state(), Path(out) / f"ema-rank{rank}.pt")

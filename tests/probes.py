@@ -1,0 +1,138 @@
+"""Callbacks that tests add to a real training run (with `+callbacks.NAME={_target_: tests.probes.X}`;
+a subprocess needs PYTHONPATH=REPO so that `tests` imports).
+
+They observe or break a run from inside, at an exact point: the samples each global batch holds, a
+NaN at batch k, a SIGKILL halfway through writing a checkpoint file.
+"""
+
+import io
+import json
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+from data.image_caption import ImageCaptionDataset
+
+
+def _with_key(getitem):
+    def getitem_with_key(self, index):
+        sample = getitem(self, index)
+        # The MDS row's own name for the sample (convert writes `key`), read again: the training
+        # dataset drops it because the model does not need it.
+        sample["key"] = super(ImageCaptionDataset, self).__getitem__(index)["key"]
+        return sample
+
+    getitem_with_key._with_key = True
+    return getitem_with_key
+
+
+class KeyLog(Callback):
+    """Appends `{"batch": N, "keys": [...]}` per global batch on rank 0: every rank's sample keys,
+    all-gathered, rank 0's first.
+
+    Constructing it makes ImageCaptionDataset batches carry each sample's MDS `key` (a class-level
+    patch, so it also reaches the dataset the trainer has already built; DataLoader fetches samples
+    through the class).
+    """
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        if not getattr(ImageCaptionDataset.__getitem__, "_with_key", False):
+            ImageCaptionDataset.__getitem__ = _with_key(ImageCaptionDataset.__getitem__)
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        keys = [k for rank_keys in dist.all_gather_object(list(state.batch["key"])) for k in rank_keys]
+        if dist.get_global_rank() == 0:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"batch": int(state.timestamp.batch) + 1, "keys": keys}) + "\n")
+
+
+def read_key_log(path: str | Path) -> dict[int, list[str]]:
+    rows = (json.loads(line) for line in Path(path).read_text().splitlines() if line.strip())
+    return {row["batch"]: row["keys"] for row in rows}
+
+
+class PoisonBatch(Callback):
+    """Fills batch `batch`'s images with `value` (NaN by default), so its loss is not finite."""
+
+    def __init__(self, batch: int, value: float = float("nan")):
+        self.batch, self.value = batch, value
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        if int(state.timestamp.batch) + 1 == self.batch:
+            state.batch["image"].fill_(self.value)
+
+
+class KillDuringSave(Callback):
+    """SIGKILLs this process halfway through writing the checkpoint of batch `batch`: the file on
+    disk then holds the first half of the real checkpoint's bytes, as after a kill or a node loss."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if int(state.timestamp.batch) != self.batch:
+            return
+        real_save = torch.save
+
+        def torn_save(obj, f, *args, **kwargs):  # composer writes a checkpoint with torch.save(obj, f)
+            buffer = io.BytesIO()
+            real_save(obj, buffer, *args, **kwargs)
+            data = buffer.getvalue()
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        torch.save = torn_save  # the next save is this batch's checkpoint (BATCH_CHECKPOINT follows)
+
+
+class FastRemoteSymlinks(Callback):
+    """Composer uploads a remote save_folder's `latest` symlink only after a helper process has seen
+    the checkpoint itself in the bucket, polling every 30 s; tests poll every 0.2 s so that a short
+    run's symlink lands within the run. Nothing else about saving changes."""
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        for callback in state.callbacks:
+            if hasattr(callback, "_symlink_upload_wait_before_next_try_in_seconds"):
+                callback._symlink_upload_wait_before_next_try_in_seconds = 0.2
+
+
+class AwaitRemoteLatest(Callback):
+    """Holds training before batch `batch` until the remote save_folder's `latest` symlink names the
+    checkpoint of batch `batch - 1`, so a kill once `batch` is logged must resume from the bucket.
+
+    Uploads are asynchronous, and the first one waits for composer's upload processes to start;
+    without this a short run can finish training before anything is in the bucket. Composer uploads
+    the symlink from its CheckpointSaver's batch_end, so the wait keeps calling that.
+    """
+
+    def __init__(self, batch: int, timeout: float = 300.0):
+        self.batch, self.timeout = batch, timeout
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        if int(state.timestamp.batch) + 1 != self.batch:
+            return
+        saver = next(cb for cb in state.callbacks if getattr(cb, "remote_uploader", None) is not None)
+        name = saver.latest_remote_file_name.format(state).lstrip("/") + ".symlink"
+        want = f"-ba{self.batch - 1}-rank0.pt"
+        deadline = time.monotonic() + self.timeout
+        with tempfile.TemporaryDirectory() as tmp:
+            local = os.path.join(tmp, "latest.symlink")
+            while time.monotonic() < deadline:
+                saver.batch_end(state, logger)
+                try:
+                    saver.remote_uploader.remote_backend.download_object(name, local, overwrite=True)
+                    if Path(local).read_text().endswith(want):
+                        return
+                except FileNotFoundError:
+                    pass
+                time.sleep(0.1)
+        raise TimeoutError(f"{name} did not name the checkpoint of batch {self.batch - 1}")

@@ -1,0 +1,188 @@
+"""One image or caption at a time: what is kept untouched, repaired, resized, or skipped and why."""
+
+import io
+import math
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from convert.common import BASE_COLUMNS, LAION_COLUMNS, Skipped
+from convert.headers import sniff
+from convert.images import ImageOptions, SkipSample, prepare_image
+from convert.samples import Options, bucket_name, clean_caption, prepare
+from tests.convert_fixtures import (
+    close,
+    encode,
+    exif_rotated_jpeg,
+    hostile_images,
+    jpeg,
+    photo,
+    pixels,
+    repairable_images,
+)
+
+
+def test_plain_jpeg_and_png_pass_through_byte_for_byte():
+    for data in (jpeg(48, 32), encode(photo(48, 32), "PNG"), encode(photo(48, 32).convert("L"), "PNG")):
+        assert prepare_image(data, ImageOptions()) == (data, 48, 32, ())
+        assert prepare_image(data, ImageOptions(verify="decode")) == (data, 48, 32, ())
+
+
+def test_header_sniffing_matches_pil():
+    cases = [jpeg(33, 17), encode(photo(33, 17).convert("L"), "JPEG"), encode(photo(33, 17), "PNG")]
+    cases.append(encode(photo(33, 17), "JPEG", progressive=True))
+    for data in cases:
+        head, image = sniff(data), Image.open(io.BytesIO(data))
+        assert (head.width, head.height, head.mode) == (*image.size, image.mode)
+        assert head.passthrough
+    assert sniff(b"GIF89a....") is None
+    assert not sniff(jpeg()[:-100]).complete
+
+
+@pytest.mark.parametrize("name", sorted(hostile_images()))
+def test_hostile_images_are_skipped_with_their_reason(name):
+    data, reason = hostile_images()[name]
+    for verify in ("header", "decode"):
+        with pytest.raises(SkipSample) as skip:
+            prepare_image(data, ImageOptions(verify=verify))
+        assert skip.value.reason == reason
+
+
+def test_pixel_limit_is_an_option_and_checked_before_decoding():
+    data = jpeg(200, 100)
+    with pytest.raises(SkipSample, match="too_many_pixels"):
+        prepare_image(data, ImageOptions(max_pixels=200 * 100 - 1))
+    assert prepare_image(data, ImageOptions(max_pixels=200 * 100))[1:3] == (200, 100)
+    # a PNG claiming 40000 x 40000 pixels is refused from its header, before anything is allocated
+    started = time.perf_counter()
+    for verify in ("header", "decode"):
+        with pytest.raises(SkipSample, match="too_many_pixels"):
+            prepare_image(hostile_images()["bomb"][0], ImageOptions(verify=verify))
+    assert time.perf_counter() - started < 0.5
+    assert Image.MAX_IMAGE_PIXELS == 89_478_485  # PIL's global limit is left as it was
+
+
+def test_gif_and_webp_go_through_pil():
+    for fmt in ("GIF", "WEBP"):
+        data = encode(photo(30, 20), fmt)
+        assert prepare_image(data, ImageOptions())[:3] == (data, 30, 20)
+        with pytest.raises(SkipSample, match="truncated_image|corrupt_image|not_an_image"):
+            prepare_image(data[: len(data) // 2], ImageOptions())
+
+
+@pytest.mark.parametrize("name", sorted(repairable_images()))
+def test_repairable_images_become_rgb(name):
+    data, expected, reason = repairable_images()[name]
+    out, width, height, repairs = prepare_image(data, ImageOptions())
+    assert repairs == (reason,)
+    decoded = Image.open(io.BytesIO(out))
+    assert decoded.mode == "RGB" and decoded.size == (width, height) == expected.shape[1::-1]
+    tol = 6.0 if decoded.format == "JPEG" else 1.0  # a JPEG source is re-encoded as JPEG (4:2:0 chroma)
+    assert close(pixels(out), expected, tol), np.abs(pixels(out) - expected).mean()
+    assert 0x0112 not in decoded.getexif()  # nothing left for a reader to rotate again
+
+
+def test_resize_shorter_side_never_upscales_and_applies_exif_orientation():
+    data = jpeg(300, 200, seed=1)
+    out, w, h, repairs = prepare_image(data, ImageOptions(resize_max=100))
+    assert (w, h, repairs) == (150, 100, ())
+    reference = photo(300, 200, seed=1).resize((150, 100), Image.Resampling.LANCZOS)
+    assert close(pixels(out), np.asarray(reference, dtype=np.float64), tol=3.0)
+    assert prepare_image(data, ImageOptions(resize_max=400)) == (
+        data,
+        300,
+        200,
+        (),
+    )  # already small: untouched
+
+    rotated = exif_rotated_jpeg(60, 40, seed=2)  # stored 60x40, displayed 40x60
+    out, w, h, repairs = prepare_image(rotated, ImageOptions(resize_max=20))
+    assert (w, h) == (20, 30) and repairs == ("exif_orientation",)
+    upright = np.rot90(np.asarray(photo(60, 40, seed=2)), k=-1)
+    expected = np.asarray(
+        Image.fromarray(np.ascontiguousarray(upright)).resize((20, 30), Image.Resampling.LANCZOS)
+    )
+    assert close(pixels(out), expected.astype(np.float64), tol=6.0)
+
+
+def test_center_crop_and_encode_formats():
+    data = encode(photo(90, 60, seed=4), "PNG")
+    out, w, h, _ = prepare_image(data, ImageOptions(resize_max=30, center_crop=True))
+    assert (w, h) == (30, 30) and Image.open(
+        io.BytesIO(out)
+    ).format == "PNG"  # lossless source stays lossless
+    expected = photo(90, 60, seed=4).crop((15, 0, 75, 60)).resize((30, 30), Image.Resampling.LANCZOS)
+    assert close(pixels(out), np.asarray(expected, dtype=np.float64), tol=1.0)
+    out, *_ = prepare_image(data, ImageOptions(resize_max=30, encode_format="webp"))
+    assert Image.open(io.BytesIO(out)).format == "WEBP"
+    out, w, h, _ = prepare_image(jpeg(40, 40), ImageOptions(center_crop=True))
+    assert (w, h) == (40, 40)
+
+
+def test_jpeg_draft_decoding_keeps_quality():
+    data = jpeg(800, 600, seed=9)
+    out, w, h, _ = prepare_image(data, ImageOptions(resize_max=96))
+    assert (w, h) == (128, 96)
+    full = photo(800, 600, seed=9).resize((128, 96), Image.Resampling.LANCZOS)
+    assert close(pixels(out), np.asarray(full, dtype=np.float64), tol=2.0)
+
+
+def test_min_side():
+    with pytest.raises(SkipSample, match="filtered_min_side"):
+        prepare_image(jpeg(60, 20), ImageOptions(min_side=32))
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("  a cat \n", "a cat"),
+        (b"\xef\xbb\xbfa dog", "a dog"),  # UTF-8 with a byte-order mark
+        (None, Skipped("", "missing_caption")),
+        (math.nan, Skipped("", "missing_caption")),
+        ("   ", Skipped("", "empty_caption")),
+        (b"caf\xe9", Skipped("", "caption_not_utf8")),  # Latin-1
+        ("bad \udcff", Skipped("", "caption_not_utf8")),  # what surrogateescape or a JSON "\udcff" gives
+        (42, "42"),
+    ],
+)
+def test_captions(value, expected):
+    assert clean_caption(value) == expected
+
+
+def test_long_captions_are_kept_whole_and_empty_ones_on_request():
+    long = "word " * 5000
+    assert clean_caption(long) == long.strip()
+    assert clean_caption("", keep_empty=True) == ""
+
+
+def test_filters_and_metadata_columns():
+    columns = {**BASE_COLUMNS, **LAION_COLUMNS}
+    raw = {
+        "key": "k",
+        "image": jpeg(),
+        "caption": "c",
+        "aesthetic": 6.0,
+        "punsafe": "0.5",
+        "similarity": None,
+    }
+    row, _ = prepare(raw, Options(min_aesthetic=5.0), columns)
+    assert (
+        row["aesthetic"] == 6.0
+        and row["punsafe"] == 0.5
+        and math.isnan(row["similarity"])
+        and row["url"] == ""
+    )
+    assert prepare(raw, Options(min_aesthetic=6.5), columns) == Skipped("k", "filtered_aesthetic")
+    assert prepare(raw, Options(max_punsafe=0.4), columns) == Skipped("k", "filtered_punsafe")
+    assert prepare(raw, Options(min_similarity=0.2), columns) == Skipped("k", "missing_similarity")
+    assert prepare({**raw, "image": None}, Options(), columns) == Skipped("k", "missing_image")
+
+
+def test_buckets():
+    buckets = (0.5, 1.0, 2.0)
+    assert bucket_name(100, 100, buckets) == "ar1"
+    assert bucket_name(300, 100, buckets) == "ar2"
+    assert bucket_name(100, 180, buckets) == "ar0.5"
+    assert bucket_name(100, 180, ()) == ""

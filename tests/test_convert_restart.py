@@ -1,0 +1,132 @@
+"""Restartability: finished inputs are skipped, unfinished ones redone, a SIGKILL loses nothing."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.convert_fixtures import (
+    jpeg,
+    make_i2d_tars,
+    read_mds,
+    run_cli,
+    sample_members,
+    write_stats,
+    write_tar,
+)
+
+
+def rows_of(out: Path) -> list[tuple]:
+    return [(r["key"], r["caption"], r["image"], r["width"], r["height"]) for r in read_mds(out)]
+
+
+def test_rerun_skips_finished_inputs_and_redoes_the_rest(tmp_path):
+    src, out = tmp_path / "shards", tmp_path / "out"
+    make_i2d_tars(src, shards=4, per_shard=5)
+    argv = ["img2dataset", "--src", src, "--out", out]
+    assert run_cli(*argv) == 0
+    first = rows_of(out)
+    assert len(first) == 20
+
+    # as if the run had died while writing input 00002: no marker, a half-written folder
+    (out / "_done" / "00002.json").unlink()
+    (out / "00002" / "shard.00007.mds").write_bytes(b"half a shard")
+    kept = (out / "_done" / "00001.json").stat().st_mtime_ns
+    assert run_cli(*argv) == 0
+    report = json.loads((out / "convert-report.json").read_text())
+    assert (report["inputs_done_this_run"], report["inputs_done"], report["samples_written"]) == (1, 4, 20)
+    assert (out / "_done" / "00001.json").stat().st_mtime_ns == kept
+    assert not (out / "00002" / "shard.00007.mds").exists()
+    assert rows_of(out) == first
+
+
+def test_other_options_are_refused_unless_overwrite(tmp_path, capsys):
+    src, out = tmp_path / "shards", tmp_path / "out"
+    make_i2d_tars(src, shards=2, per_shard=3)
+    assert run_cli("img2dataset", "--src", src, "--out", out) == 0
+    capsys.readouterr()
+    assert run_cli("img2dataset", "--src", src, "--out", out, "--resize-max", "16") == 1
+    assert "other options" in capsys.readouterr().err
+    assert run_cli("img2dataset", "--src", src, "--out", out, "--resize-max", "16", "--overwrite") == 0
+    assert {(r[3], r[4]) for r in rows_of(out)} == {(24, 16)}
+
+
+def test_two_workers_write_what_one_does(tmp_path):
+    src = tmp_path / "shards"
+    make_i2d_tars(src, shards=5, per_shard=4)
+    assert run_cli("img2dataset", "--src", src, "--out", tmp_path / "one") == 0
+    assert run_cli("img2dataset", "--src", src, "--out", tmp_path / "two", "--workers", "2") == 0
+    assert rows_of(tmp_path / "one") == rows_of(tmp_path / "two")
+
+
+def slow_shards(src: Path, shards: int, per_shard: int) -> None:
+    """Shards of 400x300 photos (a few distinct ones reused), slow enough to kill a resize run midway."""
+    src.mkdir(parents=True)
+    pool = [jpeg(400, 300, seed=s) for s in range(6)]
+    for s in range(shards):
+        members = []
+        for i in range(per_shard):
+            members += sample_members(f"{s:05d}{i:04d}", pool[(s + i) % len(pool)], f"shard {s} sample {i}")
+        write_tar(src / f"{s:05d}.tar", members)
+        write_stats(src, f"{s:05d}", per_shard)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"\nPPid:\t{pid}\n" in (entry / "status").read_text():
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_sigkill_midway_then_rerun_gives_exactly_the_uninterrupted_result(tmp_path):
+    src, out, reference = tmp_path / "shards", tmp_path / "out", tmp_path / "reference"
+    slow_shards(src, shards=8, per_shard=40)
+    argv = ["img2dataset", "--src", src, "--resize-max", "64", "--workers", "2"]
+    cmd = [sys.executable, "-m", "convert", *map(str, argv), "--out", str(out), "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not list((out / "_done").glob("*.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, (
+        f"the run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    )
+    workers = children(proc.pid)
+    assert len(workers) >= 2  # the pool's two workers
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    for _ in range(200):  # the workers die with their parent (PR_SET_PDEATHSIG)
+        if not any(Path(f"/proc/{w}").exists() and "State:\tZ" not in _status(w) for w in workers):
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail(f"worker processes {workers} outlived the killed conversion")
+    done_before = len(list((out / "_done").glob("*.json")))
+    assert 0 < done_before < 8 and not (out / "index.json").exists()  # killed midway, nothing merged yet
+
+    assert run_cli(*argv, "--out", out) == 0
+    assert run_cli(*argv, "--out", reference) == 0
+    report = json.loads((out / "convert-report.json").read_text())
+    assert report["inputs_done"] == 8 and report["inputs_done_this_run"] <= 8 - done_before
+    rows, expected = rows_of(out), rows_of(reference)
+    assert len(rows) == 8 * 40 and len({r[0] for r in rows}) == len(rows)  # no duplicates
+    assert rows == expected
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "State:\tZ"

@@ -1,0 +1,130 @@
+import math
+
+import pytest
+import torch
+
+from recipes.ema import EMA
+
+
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    model[2].requires_grad_(False)  # a frozen part, like the VAE and text encoder
+    return model
+
+
+def _train_and_reference(ema: EMA, model, batches: int, start: int, interval: int, smoothing: float):
+    """Drive `ema` through `batches` steps of fake training; return the closed-form average."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ema._bind(model)
+    ema.step(0, update=False)  # what FIT_START does
+    reference = [p.detach().clone() for p in trainable] if start == 0 else None
+    for batch in range(1, batches + 1):
+        with torch.no_grad():
+            for p in trainable:
+                p.add_(torch.randn_like(p))
+        ema.step(batch)
+        if batch == start:
+            reference = [p.detach().clone() for p in trainable]
+        elif reference is not None and (batch - start) % interval == 0:
+            s = smoothing**interval
+            reference = [s * r + (1 - s) * p.detach() for r, p in zip(reference, trainable)]
+    return reference
+
+
+@pytest.mark.parametrize("start, interval", [(3, 1), (3, 2), (5, 4)])
+def test_matches_closed_form(start, interval):
+    model = _model()
+    ema = EMA(smoothing=0.9, update_interval=interval, ema_start=f"{start}ba")
+    reference = _train_and_reference(ema, model, batches=13, start=start, interval=interval, smoothing=0.9)
+    averaged = list(ema.averaged_state().values())
+    assert len(averaged) == len(reference) == 4  # two trainable Linear + BatchNorm weight and bias
+    for got, want in zip(averaged, reference):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_half_life_means_the_same_batches_at_any_interval():
+    assert EMA(half_life="10ba").smoothing == pytest.approx(0.5 ** (1 / 10))
+    assert EMA(half_life=10, update_interval=5).smoothing == pytest.approx(0.5 ** (1 / 10))
+    model = _model()
+    ema = EMA(half_life=10, update_interval=5, ema_start=0)
+    ema._bind(model)
+    ema.step(0)
+    start = [e.clone() for e in ema.averaged_state().values()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    for batch in range(1, 11):
+        ema.step(batch)
+    # After one half-life the average moved halfway from the start to the (constant) new weights.
+    for s, e in zip(start, ema.averaged_state().values()):
+        torch.testing.assert_close(e, s + 0.5, rtol=1e-5, atol=1e-5)
+    assert math.isclose(ema.smoothing**10, 0.5)
+
+
+def test_nothing_allocated_before_start_and_only_trainable_tracked():
+    model = _model()
+    ema = EMA(smoothing=0.5, ema_start="4ba")
+    ema._bind(model)
+    for batch in range(0, 4):
+        ema.step(batch)
+        assert ema._ema is None and ema.averaged_state() == {}
+    ema.step(4)
+    names = list(ema.averaged_state())
+    assert names == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    trainable_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert sum(e.numel() * e.element_size() for e in ema.averaged_state().values()) == trainable_bytes
+
+
+def test_swap_exchanges_weights_without_copies_and_back():
+    model = _model()
+    ema = EMA(smoothing=0.5)
+    ema._bind(model)
+    ema.step(0)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ema.step(1)
+    raw = model[0].weight.detach().clone()
+    averaged = ema.averaged_state()["0.weight"].clone()
+    storage = ema.averaged_state()["0.weight"].data_ptr()
+    with ema.averaged_weights():
+        torch.testing.assert_close(model[0].weight.detach(), averaged)
+        assert model[0].weight.data_ptr() == storage  # exchanged, not copied
+    torch.testing.assert_close(model[0].weight.detach(), raw)
+
+
+def test_bf16_storage():
+    model = _model()
+    ema = EMA(smoothing=0.9, storage="bf16")
+    reference = _train_and_reference(ema, model, batches=6, start=0, interval=1, smoothing=0.9)
+    for got, want in zip(ema.averaged_state().values(), reference):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    raw = model[0].weight.detach().clone()
+    averaged = ema.averaged_state()["0.weight"].float()
+    with ema.averaged_weights():  # copied in (dtypes differ)
+        assert torch.equal(model[0].weight.detach(), averaged)
+    assert torch.equal(model[0].weight.detach(), raw)  # raw weights come back at full precision
+
+
+def test_state_dict_round_trip():
+    model = _model()
+    ema = EMA(smoothing=0.8, ema_start=2)
+    _train_and_reference(ema, model, batches=5, start=2, interval=1, smoothing=0.8)
+    state = ema.state_dict()
+    fresh = EMA(smoothing=0.8, ema_start=2)
+    fresh.load_state_dict(state)
+    fresh._bind(model)
+    fresh._restore(fresh._loaded)
+    assert fresh.start_batch == 2
+    for a, b in zip(ema.averaged_state().values(), fresh.averaged_state().values()):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="exactly one of half_life or smoothing"):
+        EMA()
+    with pytest.raises(ValueError, match="must be in batches"):
+        EMA(half_life="2ep")
+    with pytest.raises(ValueError, match="storage"):
+        EMA(smoothing=0.9, storage="int8")

@@ -1,0 +1,191 @@
+import pytest
+import torch
+
+import models
+from data.tokenizer import tokenize
+from models import build_model
+from models.presets import build_components
+from tests.conftest import REPO
+
+
+def test_packages_are_the_repos_own():
+    assert models.__file__.startswith(str(REPO))
+
+
+def test_sd2_base_matches_the_published_architecture():
+    with torch.device("meta"):  # no memory, no init time
+        parts = build_components("sd2-base")
+    assert count(parts["unet"]) == 865_910_724
+    assert count(parts["vae"]) == 83_653_863
+    assert count(parts["text_encoder"]) == 340_387_840
+    assert parts["latent_scale"] == 0.18215
+    config = parts["noise_scheduler"].config
+    assert (config.beta_schedule, config.beta_start, config.beta_end) == ("scaled_linear", 0.00085, 0.012)
+    assert config.num_train_timesteps == 1000
+
+
+def count(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def _batch(model, n=2, size=32, captions=("a red circle", "a blue square")):
+    torch.manual_seed(0)
+    return {
+        "image": torch.rand(n, 3, size, size) * 2 - 1,
+        "input_ids": tokenize(model.tokenizer, captions[:n]),
+    }
+
+
+def _loss(model, batch, seed=1):
+    torch.manual_seed(seed)
+    return model.loss(model(batch), batch)
+
+
+def test_loss_is_finite_and_only_the_unet_gets_gradients():
+    model = build_model("tiny")
+    model.train()
+    assert not model.vae.training and not model.text_encoder.training
+    loss = _loss(model, _batch(model))
+    assert torch.isfinite(loss) and loss.item() > 0
+    loss.backward()
+    assert all(p.grad is not None for p in model.unet.parameters())
+    frozen = list(model.vae.parameters()) + list(model.text_encoder.parameters())
+    assert all(p.grad is None and not p.requires_grad for p in frozen)
+
+
+def test_precomputed_latents_give_the_same_loss_as_images():
+    model = build_model("tiny", caption_drop_prob=0.5)
+    model.train()
+    batch = _batch(model)
+    precomputed = {  # what `convert latents` stores: unscaled moments and text embeddings, fp16
+        "latents": model.vae_moments(batch["image"]).half(),
+        "text_embeds": model.encode_text(batch["input_ids"]).half(),
+    }
+    unet_inputs = []
+    model.unet.register_forward_pre_hook(lambda module, args: unet_inputs.append(args[0].detach()))
+    from_images, from_latents = _loss(model, batch), _loss(model, precomputed)
+    torch.testing.assert_close(from_latents, from_images, rtol=2e-3, atol=1e-4)
+    torch.testing.assert_close(unet_inputs[1], unet_inputs[0], rtol=1e-2, atol=2e-3)
+    # Scaling the stored latents again (the classic bug) feeds the UNet something else.
+    twice = {**precomputed, "latents": precomputed["latents"] * model.latent_scale}
+    _loss(model, twice)
+    assert (unet_inputs[2] - unet_inputs[0]).abs().max() > 10 * (unet_inputs[1] - unet_inputs[0]).abs().max()
+
+
+def test_caption_dropout_uses_the_empty_caption_on_both_paths():
+    model = build_model("tiny", caption_drop_prob=1.0)
+    batch = _batch(model)
+    empty = model.empty_text_embedding("cpu")
+    embeds = {"text_embeds": model.encode_text(batch["input_ids"])}
+    model.train()
+    for b in (batch, embeds):
+        torch.testing.assert_close(model._context(b), empty.expand(2, -1, -1))
+    model.eval()  # never dropped at evaluation
+    assert not torch.allclose(model._context(batch), empty.expand(2, -1, -1))
+
+
+def test_v_prediction_target():
+    model = build_model("tiny", prediction_type="v_prediction")
+    batch = _batch(model)
+    torch.manual_seed(1)
+    _, v, t = model(batch)
+    torch.manual_seed(1)
+    moments = model.vae_moments(batch["image"])
+    latents = model.sample_latents(moments)
+    noise = torch.randn_like(latents)
+    alphas = model.noise_scheduler.alphas_cumprod[t].view(-1, 1, 1, 1)
+    torch.testing.assert_close(v, alphas.sqrt() * noise - (1 - alphas).sqrt() * latents)
+
+
+def test_offset_noise_shifts_each_channel_by_a_constant():
+    batch = _batch(build_model("tiny"))
+    torch.manual_seed(2)
+    plain = build_model("tiny")
+    offset = build_model("tiny", offset_noise=0.5)
+    offset.load_state_dict(plain.state_dict())
+    torch.manual_seed(1)
+    _, target_plain, _ = plain(batch)
+    torch.manual_seed(1)
+    _, target_offset, _ = offset(batch)
+    diff = target_offset - target_plain
+    assert diff.abs().max() > 0.01
+    torch.testing.assert_close(diff, diff[..., :1, :1].expand_as(diff))
+
+
+def test_min_snr_gamma_weights():
+    model = build_model("tiny", min_snr_gamma=5.0)
+    batch = _batch(model)
+    torch.manual_seed(1)
+    outputs = model(batch)
+    prediction, target, t = outputs
+    alphas = model.noise_scheduler.alphas_cumprod[t]
+    snr = alphas / (1 - alphas)
+    per_sample = ((prediction - target) ** 2).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(model.loss(outputs, batch), (per_sample * snr.clamp(max=5.0) / snr).mean())
+    model.min_snr_gamma = None
+    torch.testing.assert_close(model.loss(outputs, batch), per_sample.mean())
+
+
+def test_zero_terminal_snr():
+    model = build_model("tiny", prediction_type="v_prediction", zero_terminal_snr=True)
+    assert model.noise_scheduler.alphas_cumprod[-1] < 1e-6
+    assert build_model("tiny").noise_scheduler.alphas_cumprod[-1] > 1e-3
+    with pytest.raises(ValueError, match="zero_terminal_snr needs prediction_type=v_prediction"):
+        build_model("tiny", zero_terminal_snr=True)
+
+
+def test_pretrained_components_from_a_local_folder(tmp_path):
+    source = build_model("tiny")
+    for name in ("unet", "vae", "text_encoder", "tokenizer"):
+        getattr(source, name).save_pretrained(tmp_path / name)
+    torch.manual_seed(123)  # a different random init than `source`
+    model = build_model("tiny", pretrained=str(tmp_path), pretrained_components=["vae", "text_encoder"])
+    assert same(model.vae, source.vae) and same(model.text_encoder, source.text_encoder)
+    assert not same(model.unet, source.unet)
+    everything = build_model("tiny", pretrained=str(tmp_path))
+    assert same(everything.unet, source.unet)
+    with pytest.raises(FileNotFoundError, match="no/such/folder"):
+        build_model("tiny", pretrained="./no/such/folder")
+    (tmp_path / "unet").rename(tmp_path / "moved")
+    with pytest.raises(FileNotFoundError, match="no 'unet/' folder"):
+        build_model("tiny", pretrained=str(tmp_path))
+
+
+def test_speed_and_memory_switches():
+    from composer.algorithms.low_precision_groupnorm.low_precision_groupnorm import LPGroupNorm
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    default = build_model("tiny")
+    assert all(isinstance(p, AttnProcessor2_0) for p in default.unet.attn_processors.values())
+    assert default.unet._fsdp_wrap and not default.vae._fsdp_wrap and not default.text_encoder._fsdp_wrap
+    model = build_model(
+        "tiny",
+        gradient_checkpointing=True,
+        channels_last=True,
+        attention="math",
+        low_precision_norms="amp_bf16",
+    )
+    assert model.unet.is_gradient_checkpointing
+    assert model.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(isinstance(p, AttnProcessor) for p in model.unet.attn_processors.values())
+    assert any(isinstance(m, LPGroupNorm) for m in model.unet.modules())
+    model.train()
+    loss = _loss(model, _batch(model))
+    loss.backward()
+    assert torch.isfinite(loss) and model.unet.conv_in.weight.grad is not None
+    compiled = build_model("tiny", compile_unet=True)
+    assert isinstance(compiled.unet, torch._dynamo.eval_frame.OptimizedModule)
+
+
+@pytest.mark.parametrize("sampler", ["ddim", "euler", "dpm++"])
+def test_generate_is_seeded(sampler):
+    model = build_model("tiny")
+    a = model.generate(["a red circle"], num_inference_steps=3, seed=1, sampler=sampler)
+    b = model.generate(["a red circle"], num_inference_steps=3, seed=1, sampler=sampler)
+    c = model.generate(["a red circle"], num_inference_steps=3, seed=2, sampler=sampler)
+    assert a.shape == (1, 3, 32, 32) and 0 <= a.min() and a.max() <= 1
+    assert torch.equal(a, b) and not torch.equal(a, c)

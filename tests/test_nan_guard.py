@@ -1,0 +1,111 @@
+"""NaN/Inf loss: the run stops naming the batch, keeps the last good state, and rerunning resumes from it."""
+
+import gc
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from recipes import build_trainer, load_config
+from recipes.callbacks import NaNGuard, NonFiniteLossError
+from tests.conftest import REPO
+
+BATCHES = 5
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Two threads on a shared 2-core machine run the tiny model ~40x slower than one.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _trainer(shapes_mds, save, *extra):
+    overrides = [
+        f"data.train.local={shapes_mds / 'mds'}",
+        "~data.train.prepare",
+        "model.pretrained=null",
+        "global_train_batch_size=16",
+        f"trainer.max_duration={BATCHES}ba",
+        f"trainer.save_folder={save}",
+        "trainer.save_interval=1000ba",  # no interval checkpoint: the guard's is the only one
+        "trainer.autoresume=true",
+        "trainer.progress_bar=false",
+        *extra,
+    ]
+    return build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", overrides))
+
+
+def _finite(state_dict: dict) -> bool:
+    return all(
+        torch.isfinite(v).all() for v in state_dict.values() if torch.is_tensor(v) and v.is_floating_point()
+    )
+
+
+def test_nan_stops_naming_the_batch_and_rerun_resumes_from_last_good(shapes_mds, tmp_path):
+    bad = random.Random().randint(2, BATCHES - 1)  # chosen afresh each run
+    trainer = _trainer(
+        shapes_mds, tmp_path, f"+callbacks.poison={{_target_: tests.probes.PoisonBatch, batch: {bad}}}"
+    )
+    assert any(isinstance(cb, NaNGuard) for cb in trainer.state.callbacks)  # from yamls/_base.yaml
+    with pytest.raises(NonFiniteLossError, match=f"loss is not finite at batch {bad};") as err:
+        trainer.fit()
+    saved = tmp_path / f"last-good-ba{bad - 1}-rank0.pt"
+    assert str(saved) in str(err.value)
+    # The NaN batch never reached the optimizer: the weights in memory and on disk are still finite.
+    assert _finite(trainer.state.model.state_dict())
+    checkpoint = torch.load(saved, weights_only=False)["state"]
+    assert checkpoint["timestamp"]["Timestamp"]["batch"] == bad - 1
+    assert _finite(checkpoint["model"])
+    assert (tmp_path / "latest-rank0.pt").resolve() == saved.resolve()
+    trainer.close()
+    del trainer
+    gc.collect()  # release the streaming dataset (its shared memory) before the rerun opens it again
+
+    # Rerunning the same command (autoresume), once the cause is gone, resumes from the last good state.
+    rerun = _trainer(shapes_mds, tmp_path)
+    assert int(rerun.state.timestamp.batch) == bad - 1
+    rerun.fit()
+    assert int(rerun.state.timestamp.batch) == BATCHES
+    assert _finite(rerun.state.model.state_dict())
+    rerun.close()
+
+
+def _state(loss, saver=None):
+    return SimpleNamespace(loss=loss, timestamp=SimpleNamespace(batch=6), callbacks=[saver] if saver else [])
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        torch.tensor(float("nan")),
+        torch.tensor([1.0, float("inf")]),
+        {"mse": torch.tensor(1.0), "kl": torch.tensor(float("nan"))},
+    ],
+)
+def test_guard_stops_on_nan_or_inf_in_any_loss(loss):
+    with pytest.raises(NonFiniteLossError, match="^loss is not finite at batch 7$"):  # no saver: no file
+        NaNGuard().after_loss(_state(loss), logger=None)
+
+
+def test_check_inf_false_stops_on_nan_only():
+    guard = NaNGuard(check_inf=False)
+    guard.after_loss(_state(torch.tensor(float("inf"))), logger=None)
+    with pytest.raises(NonFiniteLossError):
+        guard.after_loss(_state(torch.tensor(float("nan"))), logger=None)
+    NaNGuard().after_loss(_state(torch.tensor(2.5)), logger=None)  # finite: nothing happens
+
+
+def test_save_last_good_false_saves_nothing(monkeypatch, tmp_path):
+    from composer.utils import checkpoint
+
+    class CheckpointSaver:  # the guard finds composer's saver by class name
+        folder = str(tmp_path)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", lambda *a, **k: pytest.fail("saved a checkpoint"))
+    with pytest.raises(NonFiniteLossError, match="^loss is not finite at batch 7$"):
+        NaNGuard(save_last_good=False).after_loss(_state(torch.tensor(float("nan")), CheckpointSaver()), None)
+    assert not list(tmp_path.iterdir())

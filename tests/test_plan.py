@@ -1,0 +1,168 @@
+"""The scaling planner against the published SD2 base figures (mosaicml/diffusion README)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from recipes.config import ConfigError
+from recipes.plan import ROW_KEYS, build_parser, images_to_see, main, plan_rows, write_throughput
+from tests.conftest import REPO
+
+GPUS = [8, 16, 32, 64, 128, 256]
+# SD2 base at 256 px with precomputed latents: 1,100 img/s on 8 A100s, $2 per A100-hour.
+IMG_PER_SEC_PER_GPU = 1100 / 8  # 137.5
+
+SD2_BASE_256 = """\
+run_name: sd2-base-256
+global_train_batch_size: 2048
+model: {preset: sd2-base}
+data:
+  train: {local: /nonexistent/laion, resolution: 256}
+optimizer: {_target_: torch.optim.AdamW, lr: 1.0e-4}
+trainer:
+  device: gpu
+  max_duration: 550000ba
+  device_train_microbatch_size: 16
+"""
+
+
+@pytest.fixture
+def sd2_yaml(tmp_path):
+    path = tmp_path / "sd2-base-256.yaml"
+    path.write_text(SD2_BASE_256)
+    return path
+
+
+def _run_json(capsys, yaml, *args) -> list[dict]:
+    main([str(yaml), "--gpus", *map(str, GPUS), "--json", *args])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_sd2_base_numbers_for_8_to_256_gpus(sd2_yaml, capsys):
+    rows = _run_json(capsys, sd2_yaml, "--img-per-sec-per-gpu", str(IMG_PER_SEC_PER_GPU))
+    images = 550_000 * 2048
+    for row, gpus in zip(rows, GPUS, strict=True):
+        seconds = images / (IMG_PER_SEC_PER_GPU * gpus)
+        assert row["gpus"] == gpus
+        assert row["images"] == images
+        assert row["days"] == pytest.approx(seconds / 86400)
+        assert row["gpu_hours"] == pytest.approx(seconds / 3600 * gpus)
+        assert row["cost"] == pytest.approx(seconds / 3600 * gpus * 2.0)  # default $2/GPU-hour
+        assert row["per_device_batch"] == 2048 // gpus
+    # By hand for 8 A100s: 1,126,400,000 images / 1,100 img/s = 1,024,000 s = 11.85 days;
+    # x 8 GPUs = 8,192,000 GPU-s = 2,275.56 GPU-hours = $4,551.11.
+    eight = rows[0]
+    assert eight["images"] == 1_126_400_000
+    assert eight["days"] == pytest.approx(11.85, abs=0.005)
+    assert eight["gpu_hours"] == pytest.approx(2275.56, abs=0.005)
+    assert eight["cost"] == pytest.approx(4551.11, abs=0.005)
+    assert (eight["microbatch"], eight["grad_accum"]) == (16, 16)
+    # 256 A100s: 32,000 s = 8.9 hours, same GPU-hours (linear scaling).
+    assert rows[-1]["days"] * 24 == pytest.approx(8.89, abs=0.005)
+
+
+def test_json_rows_have_exactly_the_keys_and_an_error_where_the_microbatch_does_not_fit(sd2_yaml, capsys):
+    rows = _run_json(capsys, sd2_yaml, "--img-per-sec-per-gpu", "137.5")
+    for row in rows[:-1]:
+        assert list(row) == ROW_KEYS
+    # 2048 / 256 = 8 per device, smaller than the microbatch of 16: reported, not clamped.
+    last = rows[-1]
+    assert list(last) == [*ROW_KEYS, "error"]
+    assert (last["per_device_batch"], last["microbatch"], last["grad_accum"]) == (8, None, None)
+    assert "device_train_microbatch_size=16 is larger than the per-device batch 8" in last["error"]
+    assert [row["grad_accum"] for row in rows[:-1]] == [16, 8, 4, 2, 1]
+
+
+def test_microbatch_flag_and_trailing_overrides(sd2_yaml, capsys):
+    rows = _run_json(capsys, sd2_yaml, "--img-per-sec-per-gpu", "137.5", "--microbatch", "8")
+    assert all("error" not in row for row in rows)
+    assert [row["grad_accum"] for row in rows] == [32, 16, 8, 4, 2, 1]
+    # Overrides may follow --gpus, as after train.py's YAML.
+    main(
+        [
+            str(sd2_yaml),
+            "--img-per-sec-per-gpu",
+            "137.5",
+            "--json",
+            "--gpus",
+            "8",
+            "24",
+            "global_train_batch_size=1024",
+        ]
+    )
+    eight, twenty_four = json.loads(capsys.readouterr().out)
+    assert (eight["images"], eight["per_device_batch"], eight["grad_accum"]) == (550_000 * 1024, 128, 8)
+    assert twenty_four["per_device_batch"] is None
+    assert "global_train_batch_size=1024 is not divisible by the world size 24" in twenty_four["error"]
+
+
+def test_published_two_stage_cost_is_about_31k():
+    # The README's whole run: 550k batches at 256 px (1,100 img/s on 8 A100s) then 850k at 512 px
+    # (290 img/s), 2.87B images, "about $31k" at $2/A100-hour.
+    stage_256 = plan_rows(2048, "550000ba", 16, [8], 1100 / 8, 2.0)[0]
+    stage_512 = plan_rows(2048, "850000ba", 16, [8], 290 / 8, 2.0)[0]
+    assert stage_256["images"] + stage_512["images"] == pytest.approx(2.87e9, rel=0.001)
+    assert stage_256["cost"] + stage_512["cost"] == pytest.approx(31_000, rel=0.01)
+
+
+def test_max_duration_units():
+    assert images_to_see("550000ba", 2048) == 1_126_400_000
+    assert images_to_see("1000sp", 2048) == 1000
+    for duration in ("3ep", 3, None):  # epochs need the dataset size, which the config does not give
+        with pytest.raises(ConfigError, match="needs it in batches"):
+            images_to_see(duration, 2048)
+
+
+def test_throughput_file_and_resolution_check(sd2_yaml, tmp_path, capsys, caplog):
+    measured = tmp_path / "throughput.json"
+    write_throughput(measured, 137.5, resolution=512, device="8x A100-40GB", gpus=8)
+    assert json.loads(measured.read_text())["img_per_sec_per_gpu"] == 137.5
+    from_file = _run_json(capsys, sd2_yaml, "--throughput-file", str(measured))
+    from_flag = _run_json(capsys, sd2_yaml, "--img-per-sec-per-gpu", "137.5")
+    assert from_file == from_flag
+    assert "measured at 512 px but data.train.resolution is 256 px" in caplog.text
+
+
+def test_missing_or_bad_throughput_fails_clearly(sd2_yaml, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([str(sd2_yaml), "--gpus", "8"])
+    assert exit_.value.code == 2
+    assert "no throughput: pass --img-per-sec-per-gpu" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"resolution": 256}')
+    with pytest.raises(SystemExit, match="needs a positive 'img_per_sec_per_gpu'"):
+        main([str(sd2_yaml), "--throughput-file", str(bad)])
+    with pytest.raises(SystemExit, match="unknown config key 'trainer.max_durations'"):
+        main([str(sd2_yaml), "--img-per-sec-per-gpu", "1", "trainer.max_durations=1ba"])
+
+
+def test_help_states_the_linear_scaling_assumption():
+    assert "linear scaling" in " ".join(build_parser().format_help().split())
+
+
+def test_plot_writes_a_png(sd2_yaml, tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    _run_json(capsys, sd2_yaml, "--img-per-sec-per-gpu", "137.5", "--plot", str(png))
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 1000
+
+
+def test_cli_prints_the_table(sd2_yaml):
+    result = subprocess.run(
+        [sys.executable, "-m", "recipes.plan", str(sd2_yaml), "--gpus", *map(str, GPUS)]
+        + ["--img-per-sec-per-gpu", "137.5", "--price-per-gpu-hour", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "GPUs  per-device batch  microbatch  grad accum" in out
+    assert "assumes linear scaling" in out
+    eight = next(line.split() for line in out.splitlines() if line.lstrip().startswith("8 "))
+    assert eight == ["8", "256", "16", "16", "1,126,400,000", "11.85", "2,275.6", "$4,551"]
+    assert "error at 256 GPUs: trainer.device_train_microbatch_size=16 is larger" in out

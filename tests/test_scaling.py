@@ -1,0 +1,134 @@
+"""Batch arithmetic across world sizes, and the multi-node launch scripts that set the world size."""
+
+import os
+import subprocess
+
+import pytest
+
+from recipes.config import ConfigError
+from recipes.scaling import BatchPlan, per_device_batch_size, plan_batches
+from tests.conftest import REPO
+
+
+def test_global_batch_splits_over_8_to_256_devices():
+    # The published SD2 base global batch, 2048, with its microbatch of 16.
+    assert plan_batches(2048, 8, 16) == BatchPlan(per_device_batch=256, microbatch=16, grad_accum=16)
+    assert plan_batches(2048, 128, 16) == BatchPlan(16, 16, 1)
+    assert plan_batches(2048, 256, 8) == BatchPlan(8, 8, 1)
+    assert per_device_batch_size(2048, 256) == 8
+
+
+def test_auto_and_unset_microbatch():
+    assert plan_batches(2048, 8, "auto") == BatchPlan(256, "auto", None)
+    # Unset: Composer runs the whole per-device batch as one microbatch.
+    assert plan_batches(2048, 8, None) == BatchPlan(256, 256, 1)
+
+
+def test_world_size_that_does_not_divide_the_global_batch_names_the_numbers():
+    # 3 nodes x 8 GPUs: 2048 // 24 would silently train 2040 images a step.
+    message = "global_train_batch_size=2048 is not divisible by the world size 24"
+    with pytest.raises(ConfigError, match=message):
+        per_device_batch_size(2048, 24)
+    with pytest.raises(ConfigError, match=message):
+        plan_batches(2048, 24, 16)
+
+
+def test_microbatch_larger_than_per_device_batch_names_the_numbers():
+    with pytest.raises(ConfigError) as err:
+        plan_batches(2048, 256, 16)
+    text = str(err.value)
+    assert "trainer.device_train_microbatch_size=16 is larger than the per-device batch 8" in text
+    assert "global_train_batch_size=2048 / 256 devices" in text
+
+
+def test_microbatch_that_does_not_divide_names_the_numbers_and_a_divisor():
+    with pytest.raises(ConfigError) as err:
+        plan_batches(2048, 8, 48)
+    text = str(err.value)
+    assert "trainer.device_train_microbatch_size=48 does not divide the per-device batch 256" in text
+    assert "nearest smaller divisor is 32" in text
+
+
+@pytest.mark.parametrize("microbatch", [0, -4, 1.5, True, "big"])
+def test_microbatch_must_be_a_positive_int_or_auto(microbatch):
+    with pytest.raises(ConfigError, match="must be a positive integer or 'auto'"):
+        plan_batches(2048, 8, microbatch)
+
+
+@pytest.mark.parametrize("global_batch, world", [(0, 8), (2048, 0), (2048, -8)])
+def test_batch_and_world_size_must_be_positive(global_batch, world):
+    with pytest.raises(ConfigError, match="must be a positive integer"):
+        per_device_batch_size(global_batch, world)
+
+
+# --- launch/: the scripts that turn nodes x GPUs into the composer launcher's world size ---
+
+LAUNCH_SCRIPTS = sorted((REPO / "launch").glob("*.sh")) + sorted((REPO / "launch").glob("*.sbatch"))
+
+
+def test_launch_scripts_parse():
+    assert {p.name for p in LAUNCH_SCRIPTS} >= {"multinode.sh", "slurm.sbatch"}
+    for script in LAUNCH_SCRIPTS:  # `bash -n a b` would check only `a`
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, f"{script.name}: {result.stderr}"
+
+
+def _stub(folder, name, body):
+    path = folder / name
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(0o755)
+
+
+def test_slurm_job_starts_one_composer_launcher_per_node_with_its_rank(tmp_path):
+    # Stand-ins for Slurm and composer: srun runs its command once per node with SLURM_NODEID set,
+    # as it does with --ntasks-per-node=1; composer prints the arguments it was given.
+    _stub(
+        tmp_path, "scontrol", 'test "$1 $2" = "show hostnames" && printf "gpu-a17\\ngpu-a18\\ngpu-b01\\n"\n'
+    )
+    _stub(
+        tmp_path,
+        "srun",
+        'while [[ $1 == -* ]]; do echo "srun $1"; shift; done\n'
+        'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@"; done\n',
+    )
+    _stub(tmp_path, "composer", 'echo "composer $*"\n')
+    env = {
+        "PATH": f"{tmp_path}:/usr/bin:/bin",
+        "COMPOSER": "composer",
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "SLURM_JOB_NODELIST": "gpu-a[17-18],gpu-b01",
+        "SLURM_JOB_ID": "123456",
+        "SLURM_NNODES": "3",
+        "SLURM_GPUS_ON_NODE": "8",
+        "SLURM_CPUS_PER_TASK": "64",
+    }
+    result = subprocess.run(
+        ["bash", str(REPO / "launch/slurm.sbatch"), "yamls/tiny-cpu.yaml", "trainer.max_duration=4ba"],
+        cwd=tmp_path,  # the job must cd to SLURM_SUBMIT_DIR itself
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    launches = [line for line in result.stdout.splitlines() if line.startswith("composer")]
+    port = 20000 + 123456 % 20000
+    assert launches == [
+        f"composer --nproc 8 --world_size 24 --node_rank {rank} --master_addr gpu-a17 --master_port {port} "
+        "train.py yamls/tiny-cpu.yaml trainer.max_duration=4ba"
+        for rank in range(3)
+    ]
+    assert "srun --cpus-per-task=64" in result.stdout
+
+
+def test_multinode_script_needs_a_master_address(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_ADDR"}
+    result = subprocess.run(
+        ["bash", str(REPO / "launch/multinode.sh"), "yamls/tiny-cpu.yaml"],
+        env={**env, "COMPOSER": "true"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "MASTER_ADDR" in result.stderr
