@@ -166,7 +166,6 @@ def child(model_name: str, variant: str, updates: int) -> dict:
         "extra_peak_tensor_bytes": live.peak,
         "extra_peak_rss_bytes": (_rss_kib("VmHWM") - rss_before) * 1024,
         "update_s": statistics.median(times),
-        "all_s": times,
         "trainable": n_trainable,
     }
 

@@ -11,7 +11,6 @@ from composer import Trainer
 from composer.utils import dist, reproducibility
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from streaming.base.util import clean_stale_shared_memory
 
 from data.image_caption import build_image_caption_dataloader, ensure_dataset
 from models import build
@@ -21,6 +20,7 @@ from recipes.config import ConfigError, RunConfig, check_device, parse_config
 from recipes.prepare import prepare_pretrained
 from recipes.scaling import plan_batches
 from recipes.secrets import protect_config_secrets, redact
+from recipes.shm import clean_shared_memory
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     )
     batch_size = plan.per_device_batch
     reproducibility.seed_all(run.seed)
-    clean_stale_shared_memory()  # a killed run can leave streaming's shared memory behind
+    data_cfgs = [c for c in (run.data.train, run.data.eval) if c is not None]
+    clean_shared_memory([c.local for c in data_cfgs if c.local])  # a killed run's, for our folders
     install_atomic_checkpoint_writes()
     for split, data_cfg in (("train", run.data.train), ("eval", run.data.eval)):
         try:

@@ -57,9 +57,12 @@ def test_dataloader_uses_per_device_batch(shapes_mds):
 
 
 def test_prepared_dataset_is_built_once_and_missing_data_is_named(tmp_path):
+    import inspect
+
     import pytest
 
     from data.image_caption import ensure_dataset
+    from data.synthetic import prepare_shapes_mds
 
     cfg = ImageCaptionDataConfig(local=str(tmp_path / "shapes"), prepare="shapes")
     ensure_dataset(cfg)
@@ -67,7 +70,8 @@ def test_prepared_dataset_is_built_once_and_missing_data_is_named(tmp_path):
     first = index.stat().st_mtime_ns
     ensure_dataset(cfg)  # already there: not rebuilt
     assert index.stat().st_mtime_ns == first
-    assert len(StreamingDataset(local=str(tmp_path / "shapes"), batch_size=1)) == 1024
+    default_n = inspect.signature(prepare_shapes_mds).parameters["n"].default
+    assert len(StreamingDataset(local=str(tmp_path / "shapes"), batch_size=1)) == default_n
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes"]  # no temporary folders left
     with pytest.raises(FileNotFoundError, match="nowhere"):
         ensure_dataset(ImageCaptionDataConfig(local=str(tmp_path / "nowhere")))

@@ -17,13 +17,9 @@ BATCHES = 10  # 64 samples / 16 per batch = 4 batches per epoch: resumes land mi
 
 
 def _command(nproc: int, out, shapes_mds) -> list[str]:
-    launcher = (
-        [sys.executable, "train.py"] if nproc == 1 else [str(REPO / ".venv/bin/composer"), "-n", str(nproc)]
-    )
-    if nproc == 1:
-        launcher = [sys.executable, "tests/dist_train.py", str(out)]
-    else:
-        launcher += ["tests/dist_train.py", str(out)]
+    # dist_train.py is train.py plus saving each rank's final UNet and EMA weights for comparison.
+    launcher = [sys.executable] if nproc == 1 else [str(REPO / ".venv/bin/composer"), "-n", str(nproc)]
+    launcher += ["tests/dist_train.py", str(out)]
     return [
         *launcher,
         "yamls/tiny-cpu.yaml",

@@ -1,0 +1,67 @@
+"""Clear streaming shared memory that a killed run left behind for this run's data folders.
+
+A StreamingDataset registers its local folders in shared memory (`/dev/shm/NNNNNN_locals` plus
+five companion blocks) and a lock file per prefix in the temp folder. SIGKILL skips the
+unregistering, and streaming 0.13's `clean_stale_shared_memory` walks prefixes from 0 and stops at
+the first one without shared memory, so leftovers behind a free prefix stay forever. While the lock
+files survive, later runs merely step over the leftover prefix; once they are gone (a temp-folder
+cleaner, a new container with the host's /dev/shm) streaming refuses the folder with "Reused local
+directory". Both are fixed here: every prefix whose registered folders overlap ours is removed.
+
+Run before this job's datasets exist, on each host's local rank 0, with the other ranks waiting.
+A second live job on the same host using the same data folder would lose its registration; streaming
+does not support that setup anyway.
+"""
+
+import logging
+import os
+from pathlib import Path
+from tempfile import gettempdir
+
+from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
+from streaming.base.distributed import get_local_rank, maybe_init_dist
+from streaming.base.shared.prefix import _get_path, _unpack_locals
+from streaming.base.util import clean_stale_shared_memory
+from torch import distributed as dist
+
+log = logging.getLogger(__name__)
+SHM_DIR = Path("/dev/shm")  # where POSIX shared memory lives on Linux
+
+
+def _registered_locals(locals_block: Path) -> list[str]:
+    try:
+        their_locals, _ = _unpack_locals(locals_block.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError):  # vanished meanwhile, or not streaming's
+        return []
+    return their_locals
+
+
+def remove_stale_registrations(folders: list[str]) -> list[int]:
+    """Remove every streaming prefix that registers one of `folders`; returns the prefixes removed."""
+    ours = {os.path.abspath(f) for f in folders}
+    removed = []
+    for block in sorted(SHM_DIR.glob(f"*_{LOCALS}")):
+        prefix = block.name.split("_", 1)[0]
+        if not prefix.isdigit() or not ours & {os.path.abspath(f) for f in _registered_locals(block)}:
+            continue
+        prefix_int = int(prefix)
+        for name in SHM_TO_CLEAN:
+            (SHM_DIR / _get_path(prefix_int, name).lstrip("/")).unlink(missing_ok=True)
+        for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
+            Path(gettempdir(), _get_path(prefix_int, name)).unlink(missing_ok=True)
+        removed.append(prefix_int)
+    if removed:
+        log.info("removed a killed run's streaming shared memory for %s (prefixes %s)", folders, removed)
+    return removed
+
+
+def clean_shared_memory(folders: list[str]) -> None:
+    """Streaming's own cleanup, then ours for `folders`, on local rank 0 while other ranks wait."""
+    clean_stale_shared_memory()
+    destroy = maybe_init_dist()
+    if get_local_rank() == 0 and SHM_DIR.is_dir():
+        remove_stale_registrations(folders)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    if destroy:
+        dist.destroy_process_group()

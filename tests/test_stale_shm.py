@@ -1,0 +1,80 @@
+"""Startup hygiene: streaming shared memory left behind by a killed run does not block the next run.
+
+A StreamingDataset with a `remote` registers its `local` cache folder in shared memory; a run killed
+with SIGKILL never unregisters it. Here `remote` is a plain folder (streaming copies shards from it
+as it would from a bucket), so the test needs no server.
+"""
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from tempfile import gettempdir
+
+import pytest
+
+from recipes import build_trainer, load_config
+from recipes.shm import SHM_DIR, _registered_locals
+from tests.conftest import REPO, TINY_TEST
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not SHM_DIR.is_dir(), reason="POSIX shared memory is not under /dev/shm here"),
+]
+
+OPEN_AND_DIE = """
+import os, signal, sys
+from streaming import StreamingDataset
+dataset = StreamingDataset(remote=sys.argv[1], local=sys.argv[2], batch_size=1)
+dataset[0]  # registered and reading
+os.killpg(0, signal.SIGKILL)  # the whole group, python's resource tracker too: nothing cleans up
+"""
+
+OPEN = """
+import sys
+from streaming import StreamingDataset
+StreamingDataset(remote=sys.argv[1], local=sys.argv[2], batch_size=1)
+"""
+
+
+def _python(code: str, *args) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", code, *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, start_new_session=True)
+
+
+def _prefixes_naming(folder: Path) -> list[str]:
+    return [
+        block.name.split("_")[0]
+        for block in SHM_DIR.glob("*_locals")
+        if str(folder) in _registered_locals(block)
+    ]
+
+
+def test_killed_runs_shared_memory_does_not_block_the_next_run(shapes_mds, tmp_path):
+    remote, cache = shapes_mds / "mds", tmp_path / "cache"
+    killed = _python(OPEN_AND_DIE, remote, cache)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    (stale,) = _prefixes_naming(cache)  # the killed run's registration is still there
+
+    # While its lock files survive, streaming steps over that prefix; once a temp-folder cleaner (or a
+    # fresh container sharing the host's /dev/shm) has removed them, streaming refuses the folder.
+    for lock in Path(gettempdir()).glob(f"{stale}_*_filelock"):
+        lock.unlink()
+    blocked = _python(OPEN, remote, cache)
+    assert blocked.returncode != 0 and "Reused local directory" in blocked.stderr, blocked.stderr[-2000:]
+
+    # The recipe removes the leftover at startup and trains.
+    overrides = [
+        *TINY_TEST,
+        f"data.train.remote={remote}",
+        f"data.train.local={cache}",
+        "~data.train.prepare",
+        "trainer.max_duration=1ba",
+        f"trainer.save_folder={tmp_path / 'ckpt'}",
+        "trainer.progress_bar=false",
+    ]
+    trainer = build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", overrides))
+    assert len(_prefixes_naming(cache)) == 1  # this run's own registration only
+    trainer.fit()
+    assert int(trainer.state.timestamp.batch) == 1
+    trainer.close()
