@@ -198,3 +198,9 @@ def check_device(trainer: dict) -> None:
             f"'trainer.precision' is {precision}, which the CPU cannot run (Composer trains fp32 on CPU); "
             "use trainer.precision=fp32"
         )
+    if device == "cpu" and (trainer.get("parallelism_config") or {}).get("fsdp") is not None:
+        # Composer 0.32's prepare_fsdp_module calls torch.cuda.current_device() (tried: it fails).
+        raise ConfigError(
+            "'trainer.parallelism_config.fsdp' needs CUDA GPUs (Composer's FSDP does not run on CPU); "
+            "remove it with ~trainer.parallelism_config for a CPU run"
+        )

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 QUICK_SHAPE = 0.6
 
 
-def test_quick_demo_learns_colour_and_shape(tmp_path):
+def test_quick_demo_learns_to_follow_the_shape(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2", "WANDB_MODE": "offline"}
     result = subprocess.run(
         [sys.executable, "-m", "recipes.demo", "--quick"],

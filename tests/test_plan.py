@@ -166,3 +166,41 @@ def test_cli_prints_the_table(sd2_yaml):
     eight = next(line.split() for line in out.splitlines() if line.lstrip().startswith("8 "))
     assert eight == ["8", "256", "16", "16", "1,126,400,000", "11.85", "2,275.6", "$4,551"]
     assert "error at 256 GPUs: trainer.device_train_microbatch_size=16 is larger" in out
+
+
+def test_throughput_benchmark_writes_what_the_planner_reads(tmp_path):
+    """bench/throughput.py trains the sd2-base recipe's wiring (tiny preset, CPU) a few batches and
+    writes a file the planner then uses; its rate is the measured one, not a constant."""
+    out = tmp_path / "throughput.json"
+    overrides = [
+        "model.preset=tiny",
+        "~model.pretrained_components",
+        "~model.low_precision_norms",
+        "global_train_batch_size=8",
+        "data.train.resolution=32",
+        "data.train.num_workers=0",
+        "data.train.num_canonical_nodes=1",
+        "trainer.device=cpu",
+        "trainer.precision=fp32",
+        "~trainer.parallelism_config",
+        "callbacks.memory_monitor=null",
+    ]
+    command = [sys.executable, str(REPO / "bench/throughput.py"), str(REPO / "yamls/sd2-base.yaml")]
+    command += [*overrides, "--batches", "3", "--warmup", "1", "--out", str(out)]
+    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["resolution"] == 32 and record["global_batch"] == 8 and record["timed_batches"] == 3
+    assert record["img_per_sec_per_gpu"] == pytest.approx(8 * record["batches_per_sec"])
+    plan = subprocess.run(
+        [sys.executable, "-m", "recipes.plan", str(REPO / "yamls/sd2-base.yaml"), "--gpus", "8", "--json"]
+        + ["--throughput-file", str(out), "data.train.resolution=32"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    (row,) = json.loads(plan.stdout)
+    assert row["days"] == pytest.approx(row["images"] / (8 * record["img_per_sec_per_gpu"]) / 86400)
