@@ -8,8 +8,9 @@ Trains the recipe for `--warmup + --batches` batches on synthetic data (the demo
 to the recipe's resolution; nothing is downloaded, and data loading is not what is measured) and
 reports images/s per device over the timed batches: the global batch times batches per second,
 divided by the number of processes. Run it under `composer -n GPUS` on one node to measure what a
-node does. Random weights are fine for speed, so `model.pretrained` is dropped. Checkpointing,
-autoresume, EMA and loggers are switched off unless you override them back.
+node does; all ranks read one data folder (`--data`, made on first use). Random weights are fine for
+speed, so `model.pretrained` is dropped. Checkpointing, autoresume, algorithms (EMA) and loggers are
+switched off.
 
 Per-device throughput hardly depends on gradient accumulation, so on fewer GPUs than the recipe
 was written for, shrink the global batch (`global_train_batch_size=64` on one GPU with microbatch
@@ -21,7 +22,6 @@ Prints one line (and writes the JSON on rank 0): images/s per device, batches/s 
 import argparse
 import logging
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from composer.core import Callback, State  # noqa: E402
 from composer.loggers import Logger  # noqa: E402
 from composer.utils import dist  # noqa: E402
+from omegaconf import open_dict  # noqa: E402
 
 from recipes import build_trainer, load_config  # noqa: E402
 from recipes.plan import write_throughput  # noqa: E402
@@ -64,15 +65,15 @@ def measure(yaml_path: str, batches: int, warmup: int, overrides: list[str], dat
         "model.pretrained=null",
         "prepare_pretrained=null",
         f"trainer.max_duration={warmup + batches}ba",
-        f"trainer.save_folder={data_dir}/checkpoints",
-        "trainer.save_interval=1000000ba",
+        "trainer.save_folder=null",
         "trainer.autoresume=false",
+        "trainer.load_path=null",  # sd2-base-512 loads stage 1; random weights time the same
         "trainer.progress_bar=false",
-        "loggers={}",
-        "algorithms={}",
         *overrides,
     ]
     cfg = load_config(yaml_path, overrides)
+    with open_dict(cfg):  # an override `loggers={}` would merge into them, not remove them
+        cfg.loggers, cfg.algorithms = {}, {}
     resolution = int(cfg.data.train.resolution)
     trainer = build_trainer(cfg)
     clock = BatchClock()
@@ -82,6 +83,8 @@ def measure(yaml_path: str, batches: int, warmup: int, overrides: list[str], dat
     seconds = timed[-1] - timed[0]
     batches_per_s = (len(timed) - 1) / seconds
     global_batch = int(trainer.state.dataloader.batch_size) * dist.get_world_size()
+    algorithms = [type(a).__name__ for a in trainer.state.algorithms]
+    loggers = [type(d).__name__ for d in trainer.logger.destinations]
     trainer.close()
     return {
         "img_per_sec_per_gpu": batches_per_s * global_batch / dist.get_world_size(),
@@ -92,6 +95,8 @@ def measure(yaml_path: str, batches: int, warmup: int, overrides: list[str], dat
         "device": device_name(),
         "timed_batches": len(timed) - 1,
         "recipe": str(yaml_path),
+        "algorithms": algorithms,
+        "loggers": loggers,
         "overrides": overrides,
     }
 
@@ -103,12 +108,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", type=int, default=30, help="timed batches")
     parser.add_argument("--warmup", type=int, default=10, help="untimed batches first (compile, cache)")
     parser.add_argument("--out", default=str(REPO / "bench/throughput.json"), help="JSON for recipes.plan")
+    parser.add_argument(
+        "--data", default=str(REPO / "runs/throughput-shapes"), help="synthetic MDS folder, shared by ranks"
+    )
     args = parser.parse_args(argv)
     if args.batches < 1 or args.warmup < 1:
         parser.error("--batches and --warmup must be at least 1")
     logging.basicConfig(level=logging.WARNING)
-    with tempfile.TemporaryDirectory(prefix="throughput-") as data_dir:
-        result = measure(args.yaml, args.batches, args.warmup, args.overrides, data_dir)
+    result = measure(args.yaml, args.batches, args.warmup, args.overrides, args.data)
     if dist.get_global_rank() == 0:
         write_throughput(args.out, **result)
         print(

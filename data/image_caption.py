@@ -39,6 +39,15 @@ class ImageCaptionDataConfig:
     latents: bool = False  # read precomputed `latents_{resolution}` + `text_embeds` (convert latents)
 
 
+@dataclass
+class EvalDataConfig(ImageCaptionDataConfig):
+    """`data.eval`: the same keys, but every sample once, in order, unaugmented."""
+
+    hflip: bool = False
+    shuffle: bool = False
+    drop_last: bool = False
+
+
 TOKEN_CACHE_SIZE = 4096  # 4096 x 77 int64 = 2.5 MB per dataset
 
 
@@ -99,6 +108,8 @@ def ensure_dataset(cfg: ImageCaptionDataConfig) -> None:
     if cfg.local is None and cfg.remote is None:
         raise ValueError("data: set `local` (an MDS folder) and/or `remote` (e.g. s3://bucket/prefix)")
     if cfg.prepare is not None:
+        if cfg.local is None:
+            raise ValueError(f"data.prepare={cfg.prepare!r} writes to `local`; set data.local to a folder")
         if cfg.prepare not in PREPARERS:
             raise ValueError(f"data.prepare={cfg.prepare!r} is not one of {sorted(PREPARERS)}")
         PREPARERS[cfg.prepare](cfg.local)

@@ -116,7 +116,9 @@ def build_model(
         apply_low_precision_groupnorm(unet, Precision(low_precision_norms))
         apply_low_precision_layernorm(unet, Precision(low_precision_norms))
     if compile_unet:
-        parts["unet"] = torch.compile(unet)
+        # In place (nn.Module.compile), not torch.compile(unet): a wrapper would rename every
+        # weight to `_orig_mod.*` in checkpoints, EMA and export.
+        unet.compile()
 
     return StableDiffusion(
         prediction_type=prediction_type,

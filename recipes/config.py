@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
-from data.image_caption import ImageCaptionDataConfig
+from data.image_caption import EvalDataConfig, ImageCaptionDataConfig
 
 
 class ConfigError(ValueError):
@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     train: ImageCaptionDataConfig = field(default_factory=ImageCaptionDataConfig)
-    eval: ImageCaptionDataConfig | None = None
+    eval: EvalDataConfig | None = None
 
 
 @dataclass

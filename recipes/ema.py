@@ -5,7 +5,9 @@ Why not `composer.algorithms.EMA`: it also copies every buffer, updates with
 clone. Here:
 - only parameters with `requires_grad` are tracked (the frozen VAE and text encoder never are);
 - the average is one copy of them, fp32 by default (bf16 storage and CPU offload optional), and
-  under FSDP it is built from `model.parameters()`, which are this rank's local shards;
+  under FSDP (use_orig_params) it is built from `model.parameters()`, this rank's local shards;
+  checkpoints gather it whole (every rank takes part, rank 0 writes) so they load on any world
+  size and export as usual;
 - updates are one in-place `torch._foreach_lerp_` over all tensors;
 - nothing is allocated before `ema_start`; at the start the average is the current weights;
 - evaluation and prediction swap the average in by exchanging tensor storage (no copy) and back.
@@ -19,6 +21,8 @@ import logging
 
 import torch
 from composer.core import Algorithm, Event, State, Time, TimeUnit
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp._runtime_utils import _reshard  # torch is pinned (2.7.0)
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +39,21 @@ def _batches(value, name: str) -> int:
     return time.value
 
 
+def _drop_gathered_weights(root: torch.nn.Module) -> None:
+    """Make FSDP gather the shards again at the next forward. It keeps gathered weights after a
+    forward when it expects a backward (SHARD_GRAD_OP, the root; also after a no-grad evaluation),
+    and a forward reuses them, so weights written into the shards meanwhile would go unseen."""
+    for module in FSDP.fsdp_modules(root):
+        handle = module._handle
+        if handle is not None and not handle.needs_unshard():
+            _reshard(module, handle, True)
+
+
 def _strip_wrappers(name: str) -> str:
-    # DDP adds "module."; checkpoints should not depend on how the model was wrapped.
-    return name.removeprefix("module.")
+    # DDP adds "module.", FSDP "_fsdp_wrapped_module." (activation checkpointing its own):
+    # checkpoints should not depend on how the model was wrapped.
+    name = name.removeprefix("module.")
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 class EMA(Algorithm):
@@ -80,6 +96,7 @@ class EMA(Algorithm):
         self.start_batch: int | None = None  # batch at which the average was initialised
         self._names: list[str] = []
         self._params: list[torch.nn.Parameter] = []
+        self._fsdp_root: torch.nn.Module | None = None  # the model, when FSDP shards it
         self._ema: list[torch.Tensor] | None = None
         self._loaded: dict | None = None  # from a checkpoint, applied once the model is final
         self._swapped = False
@@ -116,6 +133,10 @@ class EMA(Algorithm):
         named = [(_strip_wrappers(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        sharded = [m for m in model.modules() if isinstance(m, FSDP)]
+        if any(not m._use_orig_params for m in sharded):
+            raise ValueError("EMA under FSDP needs use_orig_params=True (Composer's default)")
+        self._fsdp_root = model if sharded else None
 
     def _device(self, param: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.offload else param.device
@@ -166,7 +187,9 @@ class EMA(Algorithm):
         """Put the averaged weights into the model; the raw ones are kept to be restored."""
         if self._ema is None or self._swapped:
             return
-        if self._fast_path:  # exchange storage: no copy, no extra memory
+        # Exchange storage: no copy, no extra memory. Not under FSDP, whose parameters are views
+        # into its flat shard: it would copy the new storage into that shard and re-view.
+        if self._fast_path and self._fsdp_root is None:
             for i, p in enumerate(self._params):
                 p.data, self._ema[i] = self._ema[i], p.data
         else:  # keep the raw weights at full precision (on the storage device) while swapped
@@ -174,6 +197,8 @@ class EMA(Algorithm):
             for e, p in zip(self._ema, self._params):
                 p.copy_(e)
         self._swapped = True
+        if self._fsdp_root is not None:
+            _drop_gathered_weights(self._fsdp_root)
 
     @torch.no_grad()
     def swap_out(self) -> None:
@@ -188,6 +213,8 @@ class EMA(Algorithm):
                 p.copy_(raw)
             self._raw = None
         self._swapped = False
+        if self._fsdp_root is not None:
+            _drop_gathered_weights(self._fsdp_root)
 
     @contextlib.contextmanager
     def averaged_weights(self):
@@ -202,8 +229,43 @@ class EMA(Algorithm):
     def state_dict(self) -> dict:
         if self._swapped:
             raise RuntimeError("EMA: cannot checkpoint while the averaged weights are swapped in")
-        ema = None if self._ema is None else dict(zip(self._names, self._ema))
+        if self._ema is None:
+            ema = None
+        elif self._fsdp_root is not None:
+            ema = self._gather_average()
+        else:
+            ema = dict(zip(self._names, self._ema))
         return {"start_batch": self.start_batch, "ema": ema, "smoothing": self.smoothing}
+
+    @torch.no_grad()
+    def _gather_average(self) -> dict[str, torch.Tensor]:
+        """Under FSDP, the whole average on CPU (a collective: Composer calls state_dict on every
+        rank). The average goes into this rank's shards, FSDP gathers them, the raw ones return."""
+        tracked = set(self._names)
+        self.swap_in()
+        try:
+            with FSDP.summon_full_params(self._fsdp_root, writeback=False):
+                return {
+                    name: p.detach().to("cpu", self.storage, copy=True)
+                    for name, p in ((_strip_wrappers(n), p) for n, p in self._fsdp_root.named_parameters())
+                    if name in tracked
+                }
+        finally:
+            self.swap_out()
+
+    @torch.no_grad()
+    def _scatter_average(self, full: dict[str, torch.Tensor]) -> None:
+        """Under FSDP, take this rank's shards of a whole average (the inverse of _gather_average)."""
+        raw = [p.detach().clone() for p in self._params]
+        _drop_gathered_weights(self._fsdp_root)  # gather what the shards hold now
+        with FSDP.summon_full_params(self._fsdp_root, writeback=True):
+            for n, p in self._fsdp_root.named_parameters():
+                if (name := _strip_wrappers(n)) in full:
+                    p.copy_(full[name])
+        for e, p, r in zip(self._ema, self._params, raw):
+            e.copy_(p)
+            p.copy_(r)
+        _drop_gathered_weights(self._fsdp_root)
 
     def load_state_dict(self, state: dict, strict: bool = False) -> None:
         # Composer loads checkpoints before FIT_START, when the parameters may not be final yet.
@@ -222,6 +284,9 @@ class EMA(Algorithm):
         if missing:
             raise KeyError(f"EMA checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
         self._allocate_from_params()
+        if self._fsdp_root is not None:
+            self._scatter_average(state["ema"])
+            return
         for name, e in zip(self._names, self._ema):
             e.copy_(state["ema"][name])
 

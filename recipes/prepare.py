@@ -34,6 +34,8 @@ def prepare_pretrained(folder: str | None, recipe: str) -> None:
     """Run `python train.py RECIPE` unless `folder` exists; it must write `folder`."""
     if folder is None or Path(folder).exists():
         return
+    if not Path(recipe).is_file() and (ENTRY.parent / recipe).is_file():
+        recipe = str(ENTRY.parent / recipe)  # a repo path like yamls/tiny-vae.yaml, run from elsewhere
     if not Path(recipe).is_file():
         raise ConfigError(f"prepare_pretrained: no recipe at {recipe} (to write model.pretrained={folder})")
     lock_path = Path(folder).parent / f".{Path(folder).name}.lock"

@@ -20,12 +20,11 @@ class SavePretrained(Callback):
     def __init__(self, folder: str):
         self.folder = folder
 
+    def fit_start(self, state: State, logger: Logger) -> None:
+        _exportable(state)  # a wrong model fails now, not after the whole run
+
     def fit_end(self, state: State, logger: Logger) -> None:
-        model = getattr(state.model, "module", state.model)  # unwrap DDP
-        if not hasattr(model, "save_pretrained"):
-            raise TypeError(
-                f"{type(model).__name__} has no save_pretrained(); SavePretrained cannot export it"
-            )
+        model = _exportable(state)
         if dist.get_global_rank() == 0:
             # Written beside and renamed into place: a kill mid-save leaves no folder that the next
             # stage would take for a finished one.
@@ -43,3 +42,10 @@ class SavePretrained(Callback):
             shutil.rmtree(old, ignore_errors=True)
             log.info("saved %s to %s", type(model).__name__, folder)
         dist.barrier()
+
+
+def _exportable(state: State):
+    model = getattr(state.model, "module", state.model)  # unwrap DDP
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"{type(model).__name__} has no save_pretrained(); SavePretrained cannot export it")
+    return model

@@ -18,11 +18,10 @@ import os
 from pathlib import Path
 from tempfile import gettempdir
 
+from composer.utils import dist
 from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
-from streaming.base.distributed import get_local_rank, maybe_init_dist
 from streaming.base.shared.prefix import _get_path, _unpack_locals
 from streaming.base.util import clean_stale_shared_memory
-from torch import distributed as dist
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")  # where POSIX shared memory lives on Linux
@@ -56,12 +55,13 @@ def remove_stale_registrations(folders: list[str]) -> list[int]:
 
 
 def clean_shared_memory(folders: list[str]) -> None:
-    """Streaming's own cleanup, then ours for `folders`, on local rank 0 while other ranks wait."""
+    """Streaming's own cleanup, then ours for `folders`, on local rank 0 while other ranks wait.
+
+    Call it with the process group already up (composer's `dist.initialize_dist`): streaming would
+    otherwise start and destroy one of its own on the same port, and a second start right after
+    can race (rank 1 joins the old store while rank 0 waits in the new one, forever).
+    """
     clean_stale_shared_memory()
-    destroy = maybe_init_dist()
-    if get_local_rank() == 0 and SHM_DIR.is_dir():
+    if dist.get_local_rank() == 0 and SHM_DIR.is_dir():
         remove_stale_registrations(folders)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    if destroy:
-        dist.destroy_process_group()
+    dist.barrier()

@@ -94,3 +94,34 @@ def test_tiny_recipe_makes_its_missing_vae_first(shapes_mds, tmp_path):
     ]
     with pytest.raises(ConfigError, match="no recipe at .*nope.yaml"):
         build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", bad))
+
+
+def test_save_pretrained_rejects_a_model_it_cannot_export_before_training():
+    from types import SimpleNamespace
+
+    from recipes.save_pretrained import SavePretrained
+
+    state = SimpleNamespace(model=build_model("tiny"))  # StableDiffusion: export it with models.export
+    with pytest.raises(TypeError, match="StableDiffusion has no save_pretrained"):
+        SavePretrained("unused").fit_start(state, logger=None)
+
+
+def test_prepare_pretrained_finds_a_repo_recipe_from_another_folder(tmp_path, monkeypatch):
+    import subprocess
+    from types import SimpleNamespace
+
+    from recipes.prepare import prepare_pretrained
+
+    ran = []
+
+    def fake_run(cmd, env):  # stands in for the minute-long VAE recipe: records it, writes the folder
+        ran.append(cmd)
+        (tmp_path / "vae").mkdir()
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    prepare_pretrained(str(tmp_path / "vae"), "yamls/tiny-vae.yaml")
+    assert ran and ran[0][-1] == str(REPO / "yamls/tiny-vae.yaml")
+    with pytest.raises(ConfigError, match="no recipe at yamls/nope.yaml"):
+        prepare_pretrained(str(tmp_path / "other"), "yamls/nope.yaml")

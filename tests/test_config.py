@@ -28,6 +28,13 @@ def test_overrides_set_nested_and_unset_keys():
     assert run.trainer["eval_interval"] == "5ba"
 
 
+def test_eval_data_defaults_to_every_sample_in_order_unaugmented():
+    run = parse_config(load_config(TINY, ["+data.eval.local=/tmp/eval", "data.train.local=/tmp/train"]))
+    assert (run.data.eval.shuffle, run.data.eval.hflip, run.data.eval.drop_last) == (False, False, False)
+    assert (run.data.train.shuffle, run.data.train.hflip, run.data.train.drop_last) == (True, True, True)
+    assert run.data.eval.resolution == 256  # other keys keep the shared defaults
+
+
 @pytest.mark.parametrize(
     "override, named, hint",
     [

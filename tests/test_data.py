@@ -75,3 +75,5 @@ def test_prepared_dataset_is_built_once_and_missing_data_is_named(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes"]  # no temporary folders left
     with pytest.raises(FileNotFoundError, match="nowhere"):
         ensure_dataset(ImageCaptionDataConfig(local=str(tmp_path / "nowhere")))
+    with pytest.raises(ValueError, match="data.prepare='shapes' writes to `local`"):
+        ensure_dataset(ImageCaptionDataConfig(remote="s3://bucket/shapes", prepare="shapes"))

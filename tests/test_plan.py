@@ -187,12 +187,14 @@ def test_throughput_benchmark_writes_what_the_planner_reads(tmp_path):
     ]
     command = [sys.executable, str(REPO / "bench/throughput.py"), str(REPO / "yamls/sd2-base.yaml")]
     command += [*overrides, "--batches", "3", "--warmup", "1", "--out", str(out)]
+    command += ["--data", str(tmp_path / "shapes")]
     env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["resolution"] == 32 and record["global_batch"] == 8 and record["timed_batches"] == 3
     assert record["img_per_sec_per_gpu"] == pytest.approx(8 * record["batches_per_sec"])
+    assert record["algorithms"] == [] and "WandBLogger" not in record["loggers"]  # sd2-base has wandb
     plan = subprocess.run(
         [sys.executable, "-m", "recipes.plan", str(REPO / "yamls/sd2-base.yaml"), "--gpus", "8", "--json"]
         + ["--throughput-file", str(out), "data.train.resolution=32"],
