@@ -10,6 +10,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from convert.images import ENCODE_FORMATS
+
 DESCRIPTION = """Convert image-caption data to MDS shards (mosaicml-streaming), locally or to S3.
 
 Each input (a tar or parquet shard, or a chunk of a folder) becomes its own sub-dataset with a
@@ -92,7 +94,7 @@ def _common() -> argparse.ArgumentParser:
     img.add_argument("--center-crop", action="store_true", help="crop each image to its centred square")
     img.add_argument(
         "--encode-format",
-        choices=("auto", "jpeg", "png", "webp"),
+        choices=ENCODE_FORMATS,
         default="auto",
         help="format for images that are resized or repaired (default auto: PNG for lossless sources, "
         "else JPEG)",

@@ -21,7 +21,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from convert.common import (
-    LAION_COLUMNS,
     MAX_FILE_BYTES,
     ConvertError,
     Part,
@@ -33,7 +32,6 @@ from convert.samples import pick_metadata
 
 log = logging.getLogger(__name__)
 
-COLUMNS_EXTRA = LAION_COLUMNS
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 FAILURES = {"failed_to_download", "failed_to_resize"}
 TOO_LARGE = object()  # stands in for a member too large to read

@@ -26,7 +26,6 @@ from convert.samples import METADATA_NAMES
 
 log = logging.getLogger(__name__)
 
-COLUMNS_EXTRA = img2dataset_src.COLUMNS_EXTRA
 URL_NAMES = ("url",)
 CAPTION_NAMES = ("text", "caption", "txt")
 

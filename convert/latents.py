@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from PIL import Image
 from streaming import StreamingDataset
-from torchvision import transforms
 
+from data.image_caption import image_transform
 from data.latents import latents_column
 from data.tokenizer import tokenize
 
@@ -29,11 +29,7 @@ def columns(resolutions: list[int]) -> dict[str, str]:
 
 
 def _pixels(image_bytes: bytes, resolution: int) -> torch.Tensor:
-    image = Image.open(io.BytesIO(image_bytes)).convert("RGB")
-    to_tensor = transforms.Compose(
-        [transforms.Resize(resolution), transforms.CenterCrop(resolution), transforms.ToTensor()]
-    )
-    return to_tensor(image) * 2 - 1
+    return image_transform(resolution)(Image.open(io.BytesIO(image_bytes)).convert("RGB"))
 
 
 @torch.no_grad()

@@ -16,12 +16,9 @@ from convert.samples import bucket_name
 
 log = logging.getLogger(__name__)
 
-COLUMNS = BASE_COLUMNS  # the name older callers import
-__all__ = ["COLUMNS", "PartWriter", "Skipped", "write_mds"]
-
 
 def write_mds(
-    samples: Iterable[dict | Skipped], out: str, columns: dict = COLUMNS, compression: str | None = None
+    samples: Iterable[dict | Skipped], out: str, columns: dict = BASE_COLUMNS, compression: str | None = None
 ) -> dict:
     """Write the samples to an MDS dataset at `out`; return (and save beside it) the report."""
     written, skipped = 0, Counter()

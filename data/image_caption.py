@@ -51,6 +51,14 @@ class EvalDataConfig(ImageCaptionDataConfig):
 TOKEN_CACHE_SIZE = 4096  # 4096 x 77 int64 = 2.5 MB per dataset
 
 
+@functools.lru_cache
+def image_transform(resolution: int) -> transforms.Compose:
+    """PIL RGB image -> (3, R, R) in [-1, 1]: resize the shorter side, center crop. Training and
+    `convert latents` both use it, so precomputed latents see the same pixels."""
+    steps = [transforms.Resize(resolution), transforms.CenterCrop(resolution)]
+    return transforms.Compose(steps + [transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
+
+
 class ImageCaptionDataset(StreamingDataset):
     def __init__(
         self,
@@ -65,9 +73,7 @@ class ImageCaptionDataset(StreamingDataset):
         super().__init__(**streaming_kwargs)
         self.tokenizer = tokenizer
         self.image_key, self.caption_key = image_key, caption_key
-        steps = [transforms.Resize(resolution), transforms.CenterCrop(resolution)]
-        steps += [transforms.ToTensor(), transforms.Normalize([0.5], [0.5])]
-        self.transform = transforms.Compose(steps)
+        self.transform = image_transform(resolution)
         self.hflip = hflip
         # The slow (pure Python) CLIP tokenizer costs ~0.6 ms a caption; repeated captions (common
         # in small or synthetic sets) are tokenized once.

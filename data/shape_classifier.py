@@ -92,10 +92,14 @@ def parse_caption(caption: str) -> tuple[str, str]:
 
 def accuracy(images, captions) -> dict[str, float]:
     """Fractions of `images` whose colour, shape and both match their caption."""
+    return score([classify(image) for image in images], captions)
+
+
+def score(verdicts: list[tuple[str, str]], captions) -> dict[str, float]:
+    """Fractions of (colour, shape) verdicts matching their caption in colour, shape and both."""
     hits = {"color": 0, "shape": 0, "both": 0}
-    for image, caption in zip(images, captions, strict=True):
+    for got, caption in zip(verdicts, captions, strict=True):
         want = parse_caption(caption)
-        got = classify(image)
         hits["color"] += got[0] == want[0]
         hits["shape"] += got[1] == want[1]
         hits["both"] += got == want

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torchvision.utils import save_image
 
-from data.shape_classifier import classify, parse_caption
+from data.shape_classifier import classify, score
 from data.synthetic import COLORS, SHAPES
 
 log = logging.getLogger(__name__)
@@ -30,15 +30,9 @@ GUIDANCE, STEPS = 4.0, 25
 
 def judge(images: torch.Tensor, prompts: list[str]) -> tuple[list[dict], dict[str, float]]:
     """Per-image verdicts and the accuracies (colour, shape, both) of `images` (N, 3, H, W) in [0, 1]."""
-    rows, hits = [], {"color": 0, "shape": 0, "both": 0}
-    for image, prompt in zip(images, prompts, strict=True):
-        color, shape = classify(image)
-        want_color, want_shape = parse_caption(prompt)
-        hits["color"] += color == want_color
-        hits["shape"] += shape == want_shape
-        hits["both"] += (color, shape) == (want_color, want_shape)
-        rows.append({"prompt": prompt, "color": color, "shape": shape})
-    return rows, {k: v / max(len(prompts), 1) for k, v in hits.items()}
+    verdicts = [classify(image) for image in images]
+    rows = [{"prompt": p, "color": c, "shape": s} for p, (c, s) in zip(prompts, verdicts, strict=True)]
+    return rows, score(verdicts, prompts)
 
 
 def evaluate(model, out_dir: str | Path, per_prompt: int = 6, seed: int = 0) -> dict:

@@ -63,9 +63,11 @@ def test_laion_metadata_to_mds(tmp_path, capsys):
         name, source = row["url"].rsplit("/", 1)[1], by_url[row["url"]]
         assert row["caption"] == source["TEXT"]
         assert row["similarity"] == source["similarity"] and row["aesthetic"] == source["AESTHETIC_SCORE"]
-        assert row["pwatermark"] == 0.1 and (
-            math.isnan(row["punsafe"]) if source["punsafe"] is None else True
-        )
+        assert row["pwatermark"] == 0.1
+        if source["punsafe"] is None:
+            assert math.isnan(row["punsafe"])
+        else:
+            assert row["punsafe"] == source["punsafe"]
         if name == "palette.png":  # repaired: transparency composited on white
             assert close(pixels(row["image"]), repairable_images()["palette_transparent"][1], tol=1.0)
         else:
