@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 # The venv is rebuilt only when these files change (content hash, not mtime).
-LOCK_HASH := $(shell cat requirements.txt requirements-lock.txt setup.py 2>/dev/null | sha256sum | cut -c1-16)
+LOCK_HASH := $(shell cat requirements.txt requirements-dev.txt requirements-lock.txt setup.py 2>/dev/null | sha256sum | cut -c1-16)
 STAMP  := $(VENV)/.installed-$(LOCK_HASH)
 export OMP_NUM_THREADS ?= 1
 export WANDB_MODE ?= offline
@@ -16,7 +16,7 @@ install: $(STAMP)
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -r requirements.txt -c requirements-lock.txt
+	$(PY) -m pip install --quiet -r requirements-dev.txt -c requirements-lock.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	@rm -f $(VENV)/.installed-*
 	@touch $@

@@ -1,7 +1,8 @@
 """Stable Diffusion training recipes on Composer + Streaming.
 
-Dependencies are pinned in requirements.txt / requirements-lock.txt and installed by `make install`;
-install_requires names the direct ones so `pip install -e .` elsewhere pulls a working set.
+Dependencies are pinned in requirements.txt (runtime) / requirements-dev.txt (plus test tools) /
+requirements-lock.txt and installed by `make install`; install_requires names the direct runtime
+ones so `pip install -e .` elsewhere pulls a working set without the test tools.
 """
 
 from pathlib import Path
