@@ -35,8 +35,10 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     )
     batch_size = plan.per_device_batch
     reproducibility.seed_all(run.seed)
-    # Up once, before streaming or the Trainer would each start (and streaming destroy) their own.
-    dist.initialize_dist(run.trainer.get("device"), run.trainer.get("dist_timeout", 300.0))
+    # Up once, before streaming or the Trainer would each start (and streaming destroy) their own;
+    # when the Trainer would start one (composer/trainer/trainer.py), so one process stays without.
+    if dist.get_world_size() > 1 or run.trainer.get("parallelism_config"):
+        dist.initialize_dist(run.trainer.get("device"), run.trainer.get("dist_timeout", 300.0))
     data_cfgs = [c for c in (run.data.train, run.data.eval) if c is not None]
     clean_shared_memory([c.local for c in data_cfgs if c.local])  # a killed run's, for our folders
     install_atomic_checkpoint_writes()
