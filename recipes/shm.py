@@ -35,13 +35,12 @@ def _registered_locals(locals_block: Path) -> list[str]:
     return their_locals
 
 
-def remove_stale_registrations(folders: list[str]) -> list[int]:
-    """Remove every streaming prefix that registers one of `folders`; returns the prefixes removed."""
-    ours = {os.path.abspath(f) for f in folders}
+def remove_registrations(stale) -> list[int]:
+    """Remove every streaming prefix for which `stale(registered_folders)` is true; returns them."""
     removed = []
     for block in sorted(SHM_DIR.glob(f"*_{LOCALS}")):
         prefix = block.name.split("_", 1)[0]
-        if not prefix.isdigit() or not ours & {os.path.abspath(f) for f in _registered_locals(block)}:
+        if not prefix.isdigit() or not stale([os.path.abspath(f) for f in _registered_locals(block)]):
             continue
         prefix_int = int(prefix)
         for name in SHM_TO_CLEAN:
@@ -49,6 +48,13 @@ def remove_stale_registrations(folders: list[str]) -> list[int]:
         for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
             Path(gettempdir(), _get_path(prefix_int, name)).unlink(missing_ok=True)
         removed.append(prefix_int)
+    return removed
+
+
+def remove_stale_registrations(folders: list[str]) -> list[int]:
+    """Remove every streaming prefix that registers one of `folders`; returns the prefixes removed."""
+    ours = {os.path.abspath(f) for f in folders}
+    removed = remove_registrations(lambda registered: bool(ours & set(registered)))
     if removed:
         log.info("removed a killed run's streaming shared memory for %s (prefixes %s)", folders, removed)
     return removed

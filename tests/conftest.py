@@ -14,6 +14,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_streaming_shm():
+    """Shared memory that killed test runs left behind (prefixes whose folders are gone, pytest's
+    old temp dirs): every new StreamingDataset opens each leftover prefix again and keeps the file
+    descriptors, thousands over the suite, until "Too many open files"."""
+    from recipes.shm import remove_registrations
+
+    remove_registrations(lambda registered: not any(os.path.exists(f) for f in registered))
+
+
 @pytest.fixture(scope="session")
 def shapes_mds(tmp_path_factory) -> Path:
     """64 synthetic shape images with captions, as an image folder and as MDS."""
