@@ -24,6 +24,10 @@ def model() -> torch.nn.Module:
     return net
 
 
+def each_linear(module: torch.nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    return recurse or isinstance(module, torch.nn.Linear)  # FSDP units below the root, too
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -33,7 +37,7 @@ def main(out: Path) -> None:
         sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,  # as sd2-base.yaml
         use_orig_params=True,
         device_id=torch.device("cpu"),
-        auto_wrap_policy=lambda module, recurse, numel: recurse or isinstance(module, torch.nn.Linear),
+        auto_wrap_policy=each_linear,
     )
     ema_plain, ema_sharded = EMA(smoothing=0.8), EMA(smoothing=0.8)
     ema_plain._bind(plain)
