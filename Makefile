@@ -6,6 +6,9 @@ PY     := $(VENV)/bin/python
 LOCK_HASH := $(shell cat requirements.txt requirements-dev.txt requirements-lock.txt setup.py 2>/dev/null | sha256sum | cut -c1-16)
 STAMP  := $(VENV)/.installed-$(LOCK_HASH)
 export OMP_NUM_THREADS ?= 1
+# Test processes: each test runs one thread (OMP_NUM_THREADS=1), so one worker per core. Each worker
+# imports torch (~1.5 GB), so the default stays small rather than `auto`.
+PYTEST_WORKERS ?= 2
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
@@ -34,7 +37,7 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 test: lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --durations=15
 
 bench: install
 	$(PY) bench/ema.py

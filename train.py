@@ -6,13 +6,17 @@ import sys
 from recipes import ConfigError, load_config, train
 from recipes.secrets import install_log_redaction
 
-if __name__ == "__main__":
+
+def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
-    if len(sys.argv) < 2:
+    if not argv:
         sys.exit("usage: train.py yamls/RUN.yaml [key=value ...]")
     try:
-        cfg = load_config(sys.argv[1], sys.argv[2:])
-        train(cfg)
+        train(load_config(argv[0], argv[1:]))
     except ConfigError as err:
         sys.exit(f"config error: {err}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,14 +25,59 @@ def no_leftover_streaming_shm():
     remove_registrations(lambda registered: not any(os.path.exists(f) for f in registered))
 
 
+def shared_folder(tmp_path_factory, name: str, build) -> Path:
+    """`name` under a folder that every test process of this session shares (pytest-xdist workers
+    each have their own basetemp below it), built once by `build(folder)` under a file lock: the
+    first worker that asks builds it, the others wait for it."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder = root / name
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
+def pytest_collection_modifyitems(items):
+    """Slow tests first, so that pytest-xdist's workers fill the time they take with the quick ones
+    instead of starting a long test last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def shapes_mds(tmp_path_factory) -> Path:
-    """64 synthetic shape images with captions, as an image folder and as MDS."""
+    """64 synthetic shape images with captions, as an image folder and as MDS (shared by all
+    test processes)."""
     from convert.folder import iter_samples
     from convert.mds import write_mds
     from data.synthetic import write_shapes_folder
 
-    root = tmp_path_factory.mktemp("shapes")
-    write_shapes_folder(root / "images", n=64, size=32, seed=0)
-    write_mds(iter_samples(root / "images"), str(root / "mds"))
-    return root
+    def build(root: Path) -> None:
+        write_shapes_folder(root / "images", n=64, size=32, seed=0)
+        write_mds(iter_samples(root / "images"), str(root / "mds"))
+
+    return shared_folder(tmp_path_factory, "shapes", build)
+
+
+@pytest.fixture(scope="session")
+def reference_run(shapes_mds, tmp_path_factory):
+    """`reference_run(nproc)`: the folder of one uninterrupted run of tests.resume_check's command on
+    `nproc` processes, trained once per session and shared by every test that compares against it
+    (kill-and-resume, kill during a save, S3 resume, elastic order, DDP checkpoints). Tests ask for it
+    after their own runs, so one worker trains the reference while another trains the test's run."""
+    from tests.resume_check import run, train_command, train_env
+
+    def build(out: Path, nproc: int) -> None:
+        result = run(train_command(nproc, out, shapes_mds), REPO, train_env())
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+    def get(nproc: int) -> Path:
+        return shared_folder(tmp_path_factory, f"reference-{nproc}proc", lambda out: build(out, nproc))
+
+    return get

@@ -1,17 +1,67 @@
-"""Helpers for the kill-and-resume tests: run a training command, SIGKILL it at a batch, rerun."""
+"""The tiny training run that the kill-and-resume, elastic and DDP tests share, and helpers to run it,
+SIGKILL it at a batch and compare what it left with an uninterrupted reference.
+
+Every such test trains the same command (`train_command`), so one uninterrupted reference per process
+count (the session fixture `reference_run` in conftest.py) serves them all.
+"""
 
 import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import torch
+
 from recipes.callbacks import read_loss_log
+from tests.conftest import REPO, TINY_TEST
+
+BATCHES = 8  # 64 samples / 16 per batch = 4 batches an epoch: kills land mid- and across epochs
+COMPOSER = str(REPO / ".venv/bin/composer") if (REPO / ".venv/bin/composer").exists() else "composer"
+
+
+def train_command(nproc: int, out: Path, shapes_mds: Path, *extra: str, save_folder=None) -> list[str]:
+    """tests/dist_train.py (train.py plus saving each rank's final UNet and EMA weights) on the tiny
+    recipe, saving every batch, with the loss and sample-key logs the tests compare."""
+    launcher = [sys.executable] if nproc == 1 else [COMPOSER, "-n", str(nproc)]
+    return [
+        *launcher,
+        str(REPO / "tests/dist_train.py"),
+        str(out),
+        str(REPO / "yamls/tiny-cpu.yaml"),
+        *TINY_TEST,
+        f"data.train.local={shapes_mds / 'mds'}",
+        "~data.train.prepare",
+        "data.train.num_canonical_nodes=2",  # the same global sample order on 1 and 2 processes
+        f"trainer.max_duration={BATCHES}ba",
+        "trainer.save_interval=1ba",
+        "trainer.save_num_checkpoints_to_keep=-1",
+        "trainer.autoresume=true",
+        f"trainer.save_folder={save_folder or out / 'ckpt'}",
+        "trainer.progress_bar=false",
+        "algorithms.ema.half_life=3",
+        f"+callbacks.loss_log={{_target_: recipes.callbacks.LossLog, path: {out / 'loss.jsonl'}}}",
+        f"+callbacks.key_log={{_target_: tests.probes.KeyLog, path: {out / 'keys.jsonl'}}}",
+        *extra,
+    ]
+
+
+def train_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO), **extra}
 
 
 def run(cmd: list[str], cwd, env, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def kill_point(low: int, high: int) -> tuple[int, str]:
+    """A batch in [low, high] to kill at, from KILL_SEED if set, else a fresh seed; returns it with a
+    line that says how to repeat the draw (put it in every assertion message)."""
+    seed = int(os.environ.get("KILL_SEED") or random.randrange(2**32))
+    batch = random.Random(seed).randint(low, high)
+    return batch, f"killed at batch {batch}; repeat with KILL_SEED={seed}"
 
 
 def run_and_kill_at(cmd: list[str], cwd, env, loss_log: Path, batch: int, timeout=300) -> None:
@@ -35,3 +85,21 @@ def run_and_kill_at(cmd: list[str], cwd, env, loss_log: Path, batch: int, timeou
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def assert_same_run(reference: Path, resumed: Path, why: str) -> None:
+    """The resumed run logged the reference's losses for every batch and ended with its exact UNet
+    and EMA weights."""
+    assert read_loss_log(resumed / "loss.jsonl") == read_loss_log(reference / "loss.jsonl"), why
+    assert sorted(read_loss_log(reference / "loss.jsonl")) == list(range(1, BATCHES + 1))
+    for name in ("unet-rank0.pt", "ema-rank0.pt"):
+        want, got = torch.load(reference / name), torch.load(resumed / name)
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want), f"{name} differs ({why})"
+
+
+def composer_run(nproc: int, args: list[str], logs: Path) -> subprocess.CompletedProcess:
+    """`composer -n nproc ARGS` from the repo root, each rank's output in logs/r{rank}.out|err."""
+    logs_args = ["--stdout", str(logs / "r{rank}.out"), "--stderr", str(logs / "r{rank}.err")]
+    cmd = [COMPOSER, "-n", str(nproc), *logs_args, *args]
+    return run(cmd, REPO, train_env(HF_HUB_OFFLINE="1"))

@@ -1,47 +1,19 @@
 """Elastic determinism: one global batch size on 1 process and on `composer -n 2` trains on the same
-samples in the same global order (data.train.num_canonical_nodes fixed), across an epoch boundary."""
-
-import os
-import sys
+samples in the same global order (data.train.num_canonical_nodes fixed), across an epoch boundary.
+Read from the shared reference runs' sample-key logs (tests.probes.KeyLog)."""
 
 import pytest
 
-from tests.conftest import REPO
 from tests.probes import read_key_log
-from tests.resume_check import run
+from tests.resume_check import BATCHES
 
 pytestmark = pytest.mark.slow
-GLOBAL_BATCH, BATCHES = 16, 6  # 64 samples: 4 batches an epoch, so batches 5-6 are epoch 2's reshuffle
+GLOBAL_BATCH, EPOCH = 16, 4  # 64 samples: batches 5-8 are epoch 2's reshuffle
 
 
-def _keys_seen(nproc: int, out, shapes_mds) -> dict[int, list[str]]:
-    launcher = [sys.executable] if nproc == 1 else [str(REPO / ".venv/bin/composer"), "-n", str(nproc)]
-    command = [
-        *launcher,
-        "tests/dist_train.py",
-        str(out),
-        "yamls/tiny-cpu.yaml",
-        f"data.train.local={shapes_mds / 'mds'}",
-        "~data.train.prepare",
-        "data.train.num_canonical_nodes=2",
-        "model.pretrained=null",
-        f"global_train_batch_size={GLOBAL_BATCH}",
-        f"trainer.max_duration={BATCHES}ba",
-        "trainer.autoresume=false",
-        f"trainer.save_folder={out / 'ckpt'}",
-        "trainer.save_interval=1000ba",
-        "trainer.progress_bar=false",
-        f"+callbacks.key_log={{_target_: tests.probes.KeyLog, path: {out / 'keys.jsonl'}}}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO)}
-    done = run(command, REPO, env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return read_key_log(out / "keys.jsonl")
-
-
-def test_one_and_two_processes_see_the_same_global_batches(shapes_mds, tmp_path):
-    one = _keys_seen(1, tmp_path / "one", shapes_mds)
-    two = _keys_seen(2, tmp_path / "two", shapes_mds)
+def test_one_and_two_processes_see_the_same_global_batches(reference_run):
+    one = read_key_log(reference_run(1) / "keys.jsonl")
+    two = read_key_log(reference_run(2) / "keys.jsonl")
 
     assert sorted(one) == sorted(two) == list(range(1, BATCHES + 1))
     for batch in one:
@@ -51,6 +23,6 @@ def test_one_and_two_processes_see_the_same_global_batches(shapes_mds, tmp_path)
     # the sequence of sets is the global order.
     assert [set(one[b]) for b in one] == [set(two[b]) for b in one]
     # The run is long enough to say something: epoch 1 covers the dataset once, and epoch 2 reshuffles.
-    epoch1 = [k for b in range(1, 5) for k in one[b]]
+    epoch1 = [k for b in range(1, EPOCH + 1) for k in one[b]]
     assert len(set(epoch1)) == 64
-    assert [set(one[b]) for b in (1, 2)] != [set(one[b]) for b in (5, 6)]
+    assert [set(one[b]) for b in (1, 2)] != [set(one[b]) for b in (EPOCH + 1, EPOCH + 2)]

@@ -7,7 +7,7 @@ from composer.core import Callback
 from recipes import build_trainer, load_config
 from recipes.ema import find_ema
 from tests.conftest import REPO, TINY_TEST
-from tests.test_train_e2e import _composer
+from tests.resume_check import composer_run
 
 EMA_OVERRIDES = ["algorithms.ema._target_=recipes.ema.EMA", "algorithms.ema.half_life=2"]
 
@@ -106,7 +106,7 @@ def test_checkpoint_restores_ema_exactly(shapes_mds, tmp_path):
 
 @pytest.mark.slow
 def test_ema_under_two_process_ddp(shapes_mds, tmp_path):
-    result = _composer(
+    result = composer_run(
         2,
         [
             "tests/dist_train.py",
