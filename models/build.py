@@ -60,7 +60,7 @@ def build_model(
     channels_last: bool = False,
     attention: str = "sdpa",
     low_precision_norms: str | None = None,
-    compile_unet: bool = False,
+    compile_unet: bool | dict = False,
 ) -> StableDiffusion:
     """The ComposerModel for `preset` (a name in models.presets.PRESETS).
 
@@ -73,6 +73,8 @@ def build_model(
         "math" (the plain attention processor, for debugging or exotic devices).
     low_precision_norms: "amp_bf16" or "amp_fp16" to run the UNet's GroupNorm/LayerNorm in that
         precision with Composer's low-precision modules (only meaningful under that AMP precision).
+    compile_unet: true to torch.compile the UNet, or a dict of torch.compile options, e.g.
+        {mode: max-autotune} or {backend: aot_eager} (no C compiler needed; what the CPU tests use).
     """
     unknown = set(pretrained_components) - set(COMPONENTS)
     if unknown:
@@ -118,7 +120,7 @@ def build_model(
     if compile_unet:
         # In place (nn.Module.compile), not torch.compile(unet): a wrapper would rename every
         # weight to `_orig_mod.*` in checkpoints, EMA and export.
-        unet.compile()
+        unet.compile(**(compile_unet if isinstance(compile_unet, dict) else {}))
 
     return StableDiffusion(
         prediction_type=prediction_type,

@@ -55,6 +55,14 @@ class StableDiffusion(ComposerModel):
             raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', not {prediction_type!r}")
         if not 0.0 <= caption_drop_prob <= 1.0:
             raise ValueError(f"caption_drop_prob must be in [0, 1], not {caption_drop_prob}")
+        if prediction_type == "epsilon" and float(noise_scheduler.alphas_cumprod[-1]) == 0.0:
+            # A schedule rescaled to zero terminal SNR, e.g. a loaded scheduler with
+            # rescale_betas_zero_snr: x0 = (x_t - sigma * eps) / alpha is undefined at alpha = 0, and
+            # the min-SNR weight min(SNR, gamma) / SNR is 0 / 0.
+            raise ValueError(
+                "the noise schedule ends at zero SNR (rescale_betas_zero_snr), where epsilon is undefined; "
+                "use prediction_type=v_prediction"
+            )
         self.unet = unet
         self.vae = vae.requires_grad_(False).eval()
         self.text_encoder = text_encoder.requires_grad_(False).eval()

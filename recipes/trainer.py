@@ -30,10 +30,7 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     protect_config_secrets(dataclasses.asdict(run))  # before a logger (wandb) records the command line
     check_device(run.trainer)
     world_size = dist.get_world_size()
-    plan = plan_batches(
-        run.global_train_batch_size, world_size, run.trainer.get("device_train_microbatch_size")
-    )
-    batch_size = plan.per_device_batch
+    _plan(run, world_size)  # an uneven batch split fails here, before anything is built
     reproducibility.seed_all(run.seed)
     # Up once, before streaming or the Trainer would each start (and streaming destroy) their own;
     # when the Trainer would start one (composer/trainer/trainer.py), so one process stays without.
@@ -51,6 +48,28 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     if run.prepare_pretrained is not None:
         prepare_pretrained(run.model.get("pretrained"), run.prepare_pretrained)
 
+    trainer = Trainer(**trainer_kwargs(run, world_size))
+    trainer.state.callbacks.append(RestoreRngOnResume(trainer))
+    trainer.logger.log_hyperparameters(redact(dataclasses.asdict(run)))  # what wandb/MLflow show
+    return trainer
+
+
+def _plan(run: RunConfig, world_size: int):
+    return plan_batches(
+        run.global_train_batch_size, world_size, run.trainer.get("device_train_microbatch_size")
+    )
+
+
+def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
+    """The keyword arguments `build_trainer` gives composer.Trainer: the model, dataloaders,
+    optimizer, scheduler and the `_target_` objects built from `run`, and `run.trainer` as is.
+
+    Needs neither the run's device nor a process group (a test checks a GPU recipe's wiring on a
+    CPU with it); `build_trainer` checks the device, seeds, starts the process group and prepares
+    the data and pretrained folder before calling it.
+    """
+    plan = _plan(run, world_size)
+    batch_size = plan.per_device_batch
     model = build(**run.model)
     train_loader = build_image_caption_dataloader(run.data.train, model.tokenizer, batch_size)
     eval_loader = None
@@ -72,7 +91,7 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
         plan.microbatch,
         plan.grad_accum,
     )
-    trainer = Trainer(
+    return dict(
         run_name=run.run_name,
         seed=run.seed,
         model=model,
@@ -85,9 +104,6 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
         loggers=[instantiate(spec) for spec in run.loggers.values()],
         **run.trainer,
     )
-    trainer.state.callbacks.append(RestoreRngOnResume(trainer))
-    trainer.logger.log_hyperparameters(redact(dataclasses.asdict(run)))  # what wandb/MLflow show
-    return trainer
 
 
 def train(cfg: RunConfig | DictConfig | dict) -> Trainer:
