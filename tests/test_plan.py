@@ -1,7 +1,7 @@
 """The scaling planner against the published SD2 base figures (mosaicml/diffusion README)."""
 
 import json
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -150,17 +150,21 @@ def test_plot_writes_a_png(sd2_yaml, tmp_path, capsys):
     assert len(data) > 1000
 
 
-def test_cli_prints_the_table(sd2_yaml):
-    result = subprocess.run(
-        [sys.executable, "-m", "recipes.plan", str(sd2_yaml), "--gpus", *map(str, GPUS)]
-        + ["--img-per-sec-per-gpu", "137.5", "--price-per-gpu-hour", "2"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy, harmless
+def test_cli_prints_the_table(sd2_yaml, capsys, monkeypatch):
+    # The module's real entry point (`python -m recipes.plan ...`), run in this process.
+    args = [
+        str(sd2_yaml),
+        "--gpus",
+        *map(str, GPUS),
+        "--img-per-sec-per-gpu",
+        "137.5",
+        "--price-per-gpu-hour",
+        "2",
+    ]
+    monkeypatch.setattr(sys, "argv", ["recipes.plan", *args])
+    runpy.run_module("recipes.plan", run_name="__main__", alter_sys=True)
+    out = capsys.readouterr().out
     assert "GPUs  per-device batch  microbatch  grad accum" in out
     assert "assumes linear scaling" in out
     eight = next(line.split() for line in out.splitlines() if line.lstrip().startswith("8 "))
@@ -168,9 +172,10 @@ def test_cli_prints_the_table(sd2_yaml):
     assert "error at 256 GPUs: trainer.device_train_microbatch_size=16 is larger" in out
 
 
-def test_throughput_benchmark_writes_what_the_planner_reads(tmp_path):
+def test_throughput_benchmark_writes_what_the_planner_reads(shapes_mds, tmp_path, monkeypatch, capsys):
     """bench/throughput.py trains the sd2-base recipe's wiring (tiny preset, CPU) a few batches and
-    writes a file the planner then uses; its rate is the measured one, not a constant."""
+    writes a file the planner then uses; its rate is the measured one, not a constant. Both run
+    through their real entry points, in this process."""
     out = tmp_path / "throughput.json"
     overrides = [
         "model.preset=tiny",
@@ -185,24 +190,29 @@ def test_throughput_benchmark_writes_what_the_planner_reads(tmp_path):
         "~trainer.parallelism_config",
         "callbacks.memory_monitor=null",
     ]
-    command = [sys.executable, str(REPO / "bench/throughput.py"), str(REPO / "yamls/sd2-base.yaml")]
-    command += [*overrides, "--batches", "3", "--warmup", "1", "--out", str(out)]
-    command += ["--data", str(tmp_path / "shapes")]
-    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    args = [
+        str(REPO / "yamls/sd2-base.yaml"),
+        *overrides,
+        "--batches",
+        "3",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
+    args += ["--data", str(shapes_mds / "mds")]  # an existing folder: the bench makes none
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script points sys.path[0] at the repo
+    monkeypatch.setattr(sys, "argv", ["bench/throughput.py", *args])
+    runpy.run_path(str(REPO / "bench/throughput.py"), run_name="__main__")
     record = json.loads(out.read_text())
     assert record["resolution"] == 32 and record["global_batch"] == 8 and record["timed_batches"] == 3
     assert record["img_per_sec_per_gpu"] == pytest.approx(8 * record["batches_per_sec"])
     assert record["algorithms"] == [] and "WandBLogger" not in record["loggers"]  # sd2-base has wandb
-    plan = subprocess.run(
-        [sys.executable, "-m", "recipes.plan", str(REPO / "yamls/sd2-base.yaml"), "--gpus", "8", "--json"]
-        + ["--throughput-file", str(out), "data.train.resolution=32"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
+    capsys.readouterr()
+    main(
+        [str(REPO / "yamls/sd2-base.yaml"), "--gpus", "8", "--json", "--throughput-file", str(out)]
+        + ["data.train.resolution=32"]
     )
-    assert plan.returncode == 0, plan.stderr[-2000:]
-    (row,) = json.loads(plan.stdout)
+    (row,) = json.loads(capsys.readouterr().out)
     assert row["days"] == pytest.approx(row["images"] / (8 * record["img_per_sec_per_gpu"]) / 86400)
