@@ -1,13 +1,11 @@
 """The EMA algorithm inside real Composer runs of the tiny recipe."""
 
-import pytest
 import torch
 from composer.core import Callback
 
 from recipes import build_trainer, load_config
 from recipes.ema import find_ema
 from tests.conftest import REPO, TINY_TEST
-from tests.resume_check import composer_run
 
 EMA_OVERRIDES = ["algorithms.ema._target_=recipes.ema.EMA", "algorithms.ema.half_life=2"]
 
@@ -102,25 +100,3 @@ def test_checkpoint_restores_ema_exactly(shapes_mds, tmp_path):
     assert restored.keys() == saved.keys()
     assert all(torch.equal(restored[k], saved[k]) for k in saved)
     assert find_ema(second.state.algorithms).start_batch == 0
-
-
-@pytest.mark.slow
-def test_ema_under_two_process_ddp(shapes_mds, tmp_path):
-    result = composer_run(
-        2,
-        [
-            "tests/dist_train.py",
-            str(tmp_path),
-            "yamls/tiny-cpu.yaml",
-            *_overrides(shapes_mds, tmp_path, "trainer.max_duration=4ba", "trainer.save_interval=4ba"),
-        ],
-        tmp_path,
-    )
-    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("r*.*")))
-    assert result.returncode == 0, result.stderr + logs
-    ema0, ema1 = torch.load(tmp_path / "ema-rank0.pt"), torch.load(tmp_path / "ema-rank1.pt")
-    assert ema0 and ema0.keys() == ema1.keys()
-    assert all(torch.equal(ema0[k], ema1[k]) for k in ema0)
-    saved = torch.load(tmp_path / "ckpt" / "ep0-ba4-rank0.pt", weights_only=False)["state"]["algorithms"]
-    (name, state), *_ = saved
-    assert name == "EMA" and all(torch.equal(state["ema"][k], ema0[k]) for k in ema0)
