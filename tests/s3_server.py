@@ -134,4 +134,4 @@ def s3_server(tmp_path_factory):
     try:
         yield server
     finally:
-        server.stop()
+        server.kill()  # its data are thrown away; a graceful stop took up to 10 s
