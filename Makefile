@@ -26,7 +26,7 @@ $(STAMP):
 	@echo "installed into $(VENV)"
 
 demo: install
-	$(PY) -m recipes.demo
+	$(PY) -m demo
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -17,7 +17,7 @@ from streaming import StreamingDataset
 
 from data.image_caption import image_transform
 from data.latents import latents_column
-from data.tokenizer import tokenize
+from models.tokenizer import tokenize
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from convert.atomic import atomic_write_bytes
 from convert.common import ConvertError
 
 log = logging.getLogger(__name__)
@@ -72,17 +73,15 @@ class LocalStore:
             return None
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        path = self.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half of one
+        atomic_write_bytes(self.root / rel, data)  # a reader sees the old file or the new one
 
     def list_names(self, rel_dir: str, suffix: str) -> list[str]:
         folder = self.root / rel_dir
         if not folder.is_dir():
             return []
-        return sorted(p.name[: -len(suffix)] for p in folder.iterdir() if p.name.endswith(suffix))
+        # Dot-names are temporaries of atomic writes (.tmp-PID-NAME), possibly left by a killed run.
+        names = (p.name for p in folder.iterdir() if not p.name.startswith("."))
+        return sorted(name[: -len(suffix)] for name in names if name.endswith(suffix))
 
 
 class S3Store:

@@ -9,7 +9,6 @@ import functools
 import io
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 from PIL import Image
 from streaming import StreamingDataset
@@ -17,8 +16,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from data.latents import LatentsDataset
-from data.synthetic import PREPARERS
-from data.tokenizer import tokenize
+from models.tokenizer import tokenize
 
 
 @dataclass
@@ -35,7 +33,7 @@ class ImageCaptionDataConfig:
     drop_last: bool = True
     image_key: str = "image"
     caption_key: str = "caption"
-    prepare: str | None = None  # a name in data.synthetic.PREPARERS: build `local` if it is missing
+    prepare: str | None = None  # a name in recipes.prepare.PREPARERS: build `local` if missing
     latents: bool = False  # read precomputed `latents_{resolution}` + `text_embeds` (convert latents)
 
 
@@ -106,25 +104,9 @@ def _flip_decision(index: int, epoch: int) -> bool:
     return random.Random(int(index) * 1_000_003 + int(epoch)).random() < 0.5
 
 
-def ensure_dataset(cfg: ImageCaptionDataConfig) -> None:
-    """Build the dataset if the config names a preparer, else check that `local` holds one.
-
-    Called before the model is built, so a wrong path fails in a second, not after a minute.
-    """
-    if cfg.local is None and cfg.remote is None:
-        raise ValueError("data: set `local` (an MDS folder) and/or `remote` (e.g. s3://bucket/prefix)")
-    if cfg.prepare is not None:
-        if cfg.local is None:
-            raise ValueError(f"data.prepare={cfg.prepare!r} writes to `local`; set data.local to a folder")
-        if cfg.prepare not in PREPARERS:
-            raise ValueError(f"data.prepare={cfg.prepare!r} is not one of {sorted(PREPARERS)}")
-        PREPARERS[cfg.prepare](cfg.local)
-    elif cfg.remote is None and not Path(cfg.local, "index.json").exists():
-        raise FileNotFoundError(f"data.local={cfg.local} holds no MDS dataset (no index.json)")
-
-
 def build_image_caption_dataloader(cfg: ImageCaptionDataConfig, tokenizer, batch_size: int) -> DataLoader:
-    """A DataLoader over one MDS set (see ensure_dataset); `batch_size` is per device."""
+    """A DataLoader over one MDS set (recipes.prepare.ensure_dataset checks it); `batch_size` is per
+    device."""
     streaming = dict(
         local=cfg.local,
         remote=cfg.remote,

@@ -1,12 +1,11 @@
 """Synthetic image-caption data: coloured shapes with captions like "a red circle".
 
 Small, fully known data for the demo and tests: a model that learns from it should draw the colour
-and shape its prompt names, which a simple pixel classifier can check.
+and shape its prompt names, which a simple pixel classifier can check. Only the drawing lives here;
+recipes/prepare.py turns it into an MDS dataset (`data.train.prepare: shapes`).
 """
 
-import os
 import random
-import shutil
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -55,47 +54,3 @@ def write_shapes_folder(out: str | Path, n: int, size: int = 32, seed: int = 0) 
         image.save(out / f"{i:06d}.png")
         (out / f"{i:06d}.txt").write_text(f"a {color} {shape}")
     return out
-
-
-# 2,048 images: about 170 per (colour, shape) pair, at random places and sizes, so the demo's
-# models learn the concepts rather than memorise a few pictures.
-def prepare_shapes_mds(local: str | Path, n: int = 2048, size: int = 32, seed: int = 0) -> Path:
-    """Make the shapes dataset as MDS at `local` unless it is already there: an image folder
-    converted by our own converter (`sd-convert folder`).
-
-    Safe when several ranks call it at once: each builds in its own temporary folder and renames it
-    into place; the first rename wins and the data are identical anyway (fixed seed).
-    """
-    from convert.__main__ import main as convert
-
-    local = Path(local)
-    if (local / "index.json").exists():
-        return local
-    tmp = local.with_name(f"{local.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        write_shapes_folder(tmp / "images", n=n, size=size, seed=seed)
-        argv = [
-            "folder",
-            "--src",
-            str(tmp / "images"),
-            "--out",
-            str(tmp / "mds"),
-            "--work-dir",
-            str(tmp / "work"),
-        ]
-        if convert(argv) != 0:
-            raise RuntimeError(f"sd-convert {' '.join(argv)} failed (see the log above)")
-        local.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(tmp / "mds", local)
-        except OSError:
-            if not (local / "index.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return local
-
-
-# Datasets that `data.train.prepare: NAME` builds at `data.train.local` when it is missing.
-PREPARERS = {"shapes": prepare_shapes_mds}

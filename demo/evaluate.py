@@ -1,9 +1,9 @@
 """Does a model trained on the synthetic shapes draw what its prompt asks for?
 
-    python -m recipes.shapes_eval CHECKPOINT_OR_DIR --out runs/demo/eval [--per-prompt 6] [--seed 0]
+    python -m demo.evaluate CHECKPOINT_OR_DIR --out runs/demo/eval [--per-prompt 6] [--seed 0]
 
 Generates `per_prompt` images for every "a {colour} {shape}" prompt (EMA weights when the checkpoint
-has them), judges each with the deterministic pixel classifier of data/shape_classifier.py, and
+has them), judges each with the deterministic pixel classifier of demo/classifier.py, and
 writes every image as its own PNG plus `manifest.json` beside them: a list of
 {"prompt", "color", "shape", "file"}, where color and shape are what the classifier saw (null when
 it found no shape) and file is relative to the manifest. `accuracy.json` holds the fractions.
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torchvision.utils import save_image
 
-from data.shape_classifier import classify, score
 from data.synthetic import COLORS, SHAPES
+from demo.classifier import classify, score
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +35,19 @@ def judge(images: torch.Tensor, prompts: list[str]) -> tuple[list[dict], dict[st
     return rows, score(verdicts, prompts)
 
 
-def evaluate(model, out_dir: str | Path, per_prompt: int = 6, seed: int = 0) -> dict:
-    """Generate, judge and write the images of every prompt; return accuracies and paths."""
+def evaluate(
+    model, out_dir: str | Path, per_prompt: int = 6, seed: int = 0, prompts: list[str] = PROMPTS
+) -> dict:
+    """Generate, judge and write the images of every prompt (all 12 by default); return accuracies
+    and paths."""
     from models.generate import sample_grid
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     images = sample_grid(
-        model, PROMPTS, per_prompt, seed=seed, guidance_scale=GUIDANCE, num_inference_steps=STEPS
+        model, prompts, per_prompt, seed=seed, guidance_scale=GUIDANCE, num_inference_steps=STEPS
     )
-    prompts = [p for p in PROMPTS for _ in range(per_prompt)]  # sample_grid is prompt-major
-    rows, accuracy = judge(images, prompts)
+    rows, accuracy = judge(images, [p for p in prompts for _ in range(per_prompt)])  # prompt-major
     for i, (row, image) in enumerate(zip(rows, images, strict=True)):
         row["file"] = f"{i:03d}-{row['prompt'].removeprefix('a ').replace(' ', '-')}.png"
         save_image(image, out_dir / row["file"])
@@ -61,7 +63,9 @@ def evaluate(model, out_dir: str | Path, per_prompt: int = 6, seed: int = 0) -> 
 def main(argv: list[str] | None = None) -> None:
     from models.generate import load_model
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m demo.evaluate", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("source", help="a Composer checkpoint of the tiny recipe or an exported folder")
     parser.add_argument("--out", required=True, help="folder for the PNGs, manifest.json and accuracy.json")
     parser.add_argument("--per-prompt", type=int, default=6, help="images per prompt (12 prompts)")

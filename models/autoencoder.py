@@ -17,8 +17,8 @@ from composer.models import ComposerModel
 from diffusers import AutoencoderKL
 from torchmetrics import MeanSquaredError
 
-from data.tokenizer import build_tokenizer
 from models.presets import PRESETS
+from models.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 

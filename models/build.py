@@ -10,9 +10,9 @@ from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from data.tokenizer import build_tokenizer
 from models.presets import build_components
 from models.stable_diffusion import StableDiffusion
+from models.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 

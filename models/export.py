@@ -19,9 +19,9 @@ import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 from transformers.integrations.accelerate import init_empty_weights
 
-from data.tokenizer import build_tokenizer
 from models.presets import PRESETS, build_components
 from models.stable_diffusion import StableDiffusion
+from models.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 

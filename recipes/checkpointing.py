@@ -10,10 +10,10 @@ either is complete or does not exist.
 
 import functools
 import logging
-import os
-from pathlib import Path
 
 from composer.utils import checkpoint
+
+from convert.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +26,10 @@ def install_atomic_checkpoint_writes() -> None:
 
     @functools.wraps(original)
     def write_atomically(state_dict, filename: str) -> None:
-        final = Path(filename)
-        # Same folder (rename stays on one filesystem) and same suffix (composer picks tar/compressed
-        # formats from the name).
-        tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
-        try:
+        # The temporary name keeps the final one's suffix, from which composer picks tar/compressed
+        # formats; a kill mid-write leaves only that `.tmp-PID-NAME`, which nothing loads.
+        with atomic_path(filename) as tmp:
             original(state_dict, str(tmp))
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     write_atomically._atomic = True
     checkpoint._write_checkpoint_file = write_atomically

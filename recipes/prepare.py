@@ -1,9 +1,13 @@
-"""Make a recipe's pretrained folder on first use by running the recipe that writes it.
+"""Make what a run needs on first use: its dataset (`data.train.prepare`) and its pretrained folder.
 
-yamls/tiny-cpu.yaml loads its VAE from runs/tiny-vae/export, which yamls/tiny-vae.yaml writes. So
-`python train.py yamls/tiny-cpu.yaml` works on a fresh checkout, the first run trains the VAE (about
-a minute on a CPU) in a subprocess. Launched ranks queue on a file lock: one trains, the rest find
-the folder made. The subprocess runs without the launcher's distributed variables, as one process.
+`data.train.prepare: shapes` builds the synthetic shapes as MDS at `data.train.local` (drawn by
+data/synthetic.py, converted by our own `sd-convert folder`) when it is not there yet.
+
+`prepare_pretrained`: yamls/tiny-cpu.yaml loads its VAE from runs/tiny-vae/export, which
+yamls/tiny-vae.yaml writes. So `python train.py yamls/tiny-cpu.yaml` works on a fresh checkout, the
+first run trains the VAE (about a minute on a CPU) in a subprocess. Launched ranks queue on a file
+lock: one trains, the rest find the folder made. The subprocess runs without the launcher's
+distributed variables, as one process.
 """
 
 import fcntl
@@ -11,8 +15,13 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+from convert.__main__ import main as sd_convert
+from convert.atomic import atomic_path
+from data.image_caption import ImageCaptionDataConfig
+from data.synthetic import write_shapes_folder
 from recipes.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -53,3 +62,50 @@ def prepare_pretrained(folder: str | None, recipe: str) -> None:
             )
         if not Path(folder).exists():
             raise ConfigError(f"prepare_pretrained: {recipe} finished but wrote no {folder}")
+
+
+# 2,048 images: about 170 per (colour, shape) pair, at random places and sizes, so the demo's
+# models learn the concepts rather than memorise a few pictures.
+def prepare_shapes_mds(local: str | Path, n: int = 2048, size: int = 32, seed: int = 0) -> Path:
+    """Make the shapes dataset as MDS at `local` unless it is already there: an image folder
+    converted by our own converter (`sd-convert folder`).
+
+    Safe when several ranks call it at once: each builds in its own temporary folders and renames
+    the MDS into place; the first rename wins and the data are identical anyway (fixed seed).
+    """
+    local = Path(local)
+    if (local / "index.json").exists():
+        return local
+    with (
+        atomic_path(local, existing="keep") as out,
+        tempfile.TemporaryDirectory(prefix=f".tmp-{local.name}-src-", dir=local.parent) as scratch,
+    ):
+        images = write_shapes_folder(Path(scratch, "images"), n=n, size=size, seed=seed)
+        argv = ["folder", "--src", str(images), "--out", str(out), "--work-dir", str(Path(scratch, "work"))]
+        if sd_convert(argv) != 0:
+            raise RuntimeError(f"sd-convert {' '.join(argv)} failed (see the log above)")
+    if not (local / "index.json").exists():  # "keep" kept a folder that another process left there
+        raise FileExistsError(f"{local} exists but holds no MDS dataset (no index.json); remove it")
+    return local
+
+
+# Datasets that `data.train.prepare: NAME` builds at `data.train.local` when it is missing.
+PREPARERS = {"shapes": prepare_shapes_mds}
+
+
+def ensure_dataset(cfg: ImageCaptionDataConfig) -> None:
+    """Build the dataset if the config names a preparer, else check that `local` holds one.
+
+    Called before the model is built, so a wrong path or preparer name fails in a second, not after
+    a minute (build_trainer names the `data.train`/`data.eval` key in the ConfigError).
+    """
+    if cfg.local is None and cfg.remote is None:
+        raise ValueError("data: set `local` (an MDS folder) and/or `remote` (e.g. s3://bucket/prefix)")
+    if cfg.prepare is not None:
+        if cfg.local is None:
+            raise ValueError(f"data.prepare={cfg.prepare!r} writes to `local`; set data.local to a folder")
+        if cfg.prepare not in PREPARERS:
+            raise ValueError(f"data.prepare={cfg.prepare!r} is not one of {sorted(PREPARERS)}")
+        PREPARERS[cfg.prepare](cfg.local)
+    elif cfg.remote is None and not Path(cfg.local, "index.json").exists():
+        raise FileNotFoundError(f"data.local={cfg.local} holds no MDS dataset (no index.json)")

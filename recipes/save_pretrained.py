@@ -5,13 +5,12 @@ The autoencoder recipe (yamls/tiny-vae.yaml) uses it so the diffusion recipe can
 """
 
 import logging
-import os
-import shutil
-from pathlib import Path
 
 from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
+
+from convert.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -26,21 +25,11 @@ class SavePretrained(Callback):
     def fit_end(self, state: State, logger: Logger) -> None:
         model = _exportable(state)
         if dist.get_global_rank() == 0:
-            # Written beside and renamed into place: a kill mid-save leaves no folder that the next
-            # stage would take for a finished one.
-            folder = Path(self.folder)
-            tmp, old = (
-                folder.with_name(f"{folder.name}.tmp-{os.getpid()}"),
-                folder.with_name(f"{folder.name}.old"),
-            )
-            shutil.rmtree(tmp, ignore_errors=True)
-            model.save_pretrained(tmp)
-            if folder.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old, ignore_errors=True)
-            log.info("saved %s to %s", type(model).__name__, folder)
+            # Written beside and renamed into place, an earlier export swapped out: a kill mid-save
+            # leaves no folder that the next stage would take for a finished one.
+            with atomic_path(self.folder, existing="swap") as tmp:
+                model.save_pretrained(tmp)
+            log.info("saved %s to %s", type(model).__name__, self.folder)
         dist.barrier()
 
 

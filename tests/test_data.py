@@ -4,7 +4,7 @@ from PIL import Image
 from streaming import StreamingDataset
 
 from data.image_caption import ImageCaptionDataConfig, ImageCaptionDataset, build_image_caption_dataloader
-from data.tokenizer import build_tokenizer, tokenize
+from models.tokenizer import build_tokenizer, tokenize
 
 
 def test_mds_reads_back_exactly_what_was_written(shapes_mds):
@@ -61,8 +61,7 @@ def test_prepared_dataset_is_built_once_and_missing_data_is_named(tmp_path):
 
     import pytest
 
-    from data.image_caption import ensure_dataset
-    from data.synthetic import prepare_shapes_mds
+    from recipes.prepare import ensure_dataset, prepare_shapes_mds
 
     cfg = ImageCaptionDataConfig(local=str(tmp_path / "shapes"), prepare="shapes")
     ensure_dataset(cfg)

@@ -7,8 +7,8 @@ from streaming import StreamingDataset
 from convert.latents import _pixels, columns, iter_samples
 from convert.mds import write_mds
 from data.latents import LatentsDataset
-from data.tokenizer import tokenize
 from models import build_model
+from models.tokenizer import tokenize
 from recipes import build_trainer, load_config
 from tests.conftest import REPO, TINY_TEST
 

@@ -3,9 +3,9 @@ import torch
 from diffusers import DDPMScheduler
 
 import models
-from data.tokenizer import tokenize
 from models import build_model
 from models.presets import PRESETS, build_components
+from models.tokenizer import tokenize
 from tests.conftest import REPO
 
 

@@ -5,9 +5,9 @@ import random
 import numpy as np
 import torch
 
-from data.shape_classifier import accuracy, classify, parse_caption
 from data.synthetic import COLORS, SHAPES, draw_shape
-from recipes.shapes_eval import judge
+from demo.classifier import accuracy, classify, parse_caption
+from demo.evaluate import judge
 
 
 def _images(n: int, seed: int):

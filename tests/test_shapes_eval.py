@@ -1,4 +1,4 @@
-"""recipes/shapes_eval.py writes one PNG per sample and a manifest that matches them."""
+"""demo/evaluate.py writes one PNG per sample and a manifest that matches them."""
 
 import json
 import random
@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from data.synthetic import draw_shape
-from recipes import shapes_eval
+from demo.evaluate import evaluate
 
 
 class _Painter:
@@ -25,7 +25,7 @@ class _Painter:
 
 
 def test_manifest_lists_every_image_with_what_the_classifier_saw(tmp_path):
-    result = shapes_eval.evaluate(_Painter(), tmp_path, per_prompt=2)
+    result = evaluate(_Painter(), tmp_path, per_prompt=2)
     assert result["images"] == 24 and result["shape"] == 1.0
     assert result["color"] == 0.75  # the 3 blue prompts of 12 come out red
     manifest = json.loads((tmp_path / "manifest.json").read_text())

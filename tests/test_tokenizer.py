@@ -1,4 +1,4 @@
-from data.tokenizer import MAX_LENGTH, build_tokenizer, tokenize
+from models.tokenizer import MAX_LENGTH, build_tokenizer, tokenize
 
 
 def test_offline_clip_tokenizer_matches_open_clip():
