@@ -12,9 +12,11 @@ model being trained.
 
 import argparse
 import functools
+import json
 import logging
 
 import torch
+from diffusers import UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.presets import PRESETS, build_components
@@ -63,21 +65,53 @@ def _meta_components(preset: str) -> dict:
         return build_components(preset)
 
 
-@functools.cache
-def training_flops_per_image(preset: str, resolution: int) -> float:
-    """FLOPs of the UNet forward + backward for one image of `resolution` x `resolution` pixels."""
-    side = latent_size(preset, resolution)
-    unet = _meta_components(preset)["unet"]
+def _unet_step_flops(unet, height: int, width: int, context_length: int) -> float:
+    """FLOPs of one forward + backward of a meta-device `unet`, per image of height x width latents."""
     with torch.device("meta"):
-        latents = torch.randn(_BATCH, unet.config.in_channels, side, side)
-        context = torch.randn(_BATCH, CONTEXT_LENGTH, unet.config.cross_attention_dim)
+        latents = torch.randn(_BATCH, unet.config.in_channels, height, width)
+        context = torch.randn(_BATCH, context_length, unet.config.cross_attention_dim)
         timesteps = torch.randint(0, 1000, (_BATCH,))
 
     def step():
         unet(latents, timesteps, encoder_hidden_states=context).sample.float().pow(2).mean().backward()
 
-    flops = _count(step) / _BATCH
+    return _count(step) / _BATCH
+
+
+@functools.cache
+def training_flops_per_image(preset: str, resolution: int) -> float:
+    """FLOPs of the UNet forward + backward for one image of `resolution` x `resolution` pixels."""
+    side = latent_size(preset, resolution)
+    flops = _unet_step_flops(_meta_components(preset)["unet"], side, side, CONTEXT_LENGTH)
     log.info("%s at %d px (%dx%d latents): %.4g FLOP per image", preset, resolution, side, side, flops)
+    return flops
+
+
+def unet_training_flops(unet_config, height: int, width: int, context_length: int = CONTEXT_LENGTH) -> float:
+    """Like `training_flops_per_image`, for any UNet: its diffusers config (`unet.config`, e.g. of a
+    pretrained one), latents of height x width and a text context of `context_length` tokens.
+    Counted on the meta device once per distinct argument set, then cached (what
+    `StableDiffusion.flops_per_batch` calls every batch)."""
+    return _cached_unet_training_flops(
+        json.dumps(dict(unet_config), sort_keys=True, default=str),
+        int(height),
+        int(width),
+        int(context_length),
+    )
+
+
+@functools.cache
+def _cached_unet_training_flops(config_json: str, height: int, width: int, context_length: int) -> float:
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(json.loads(config_json))
+    flops = _unet_step_flops(unet, height, width, context_length)
+    log.info(
+        "UNet at %dx%d latents, %d context tokens: %.4g training FLOP per image",
+        height,
+        width,
+        context_length,
+        flops,
+    )
     return flops
 
 

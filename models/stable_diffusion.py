@@ -5,7 +5,13 @@ A batch holds either images and token ids (`image` in [-1, 1], `input_ids`) or w
 `python -m convert latents` precomputed from them (`latents`: the VAE's Gaussian moments, unscaled;
 `text_embeds`). Both paths sample the latent from the moments and apply `latent_scale` once, here,
 so the loss is the same for the same noise and timesteps.
+
+Training draws its latent samples, noise, timesteps and caption dropout from the global RNG (which
+Composer seeds and checkpoints). Validation (`eval_forward`) draws them from generators seeded per
+sample, so a checkpoint's validation loss is the same number each time it is measured.
 """
+
+import hashlib
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +20,8 @@ from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteS
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from torchmetrics import MeanSquaredError
 
-from data.tokenizer import tokenize
+from models.flops import unet_training_flops
+from models.tokenizer import tokenize
 
 SAMPLERS = {
     "ddim": DDIMScheduler,
@@ -34,7 +41,11 @@ class StableDiffusion(ComposerModel):
             min(SNR, gamma) / (SNR + 1) (v) (Hang et al. 2023; 5.0 is usual).
         caption_drop_prob: replaces a sample's text condition by the empty caption's, which trains
             the unconditional branch that classifier-free guidance needs (SD used 0.1).
+
+    `eval_seed` seeds validation's random draws (see `eval_forward`).
     """
+
+    eval_seed: int = 0
 
     def __init__(
         self,
@@ -109,14 +120,18 @@ class StableDiffusion(ComposerModel):
         """The embedding of "" (1, 77, D): the unconditional branch's condition."""
         return self.encode_text(tokenize(self.tokenizer, [""]).to(device))
 
-    def _context(self, batch) -> torch.Tensor:
+    def _context(self, batch, drop_captions: bool = True) -> torch.Tensor:
         if "text_embeds" in batch:
             context = batch["text_embeds"].float()
+            if not drop_captions:
+                return context
             drop = self._drop_mask(context.shape[0], context.device)
             if drop.any():
                 context = torch.where(drop[:, None, None], self.empty_text_embedding(context.device), context)
             return context
         ids = batch["input_ids"]
+        if not drop_captions:
+            return self.encode_text(ids)
         drop = self._drop_mask(ids.shape[0], ids.device)
         if drop.any():
             ids = torch.where(drop[:, None], tokenize(self.tokenizer, [""]).to(ids.device), ids)
@@ -129,15 +144,31 @@ class StableDiffusion(ComposerModel):
 
     # -- training --------------------------------------------------------------------------------
     def forward(self, batch):
+        return self._diffuse(batch)
+
+    def _diffuse(self, batch, seeds: list[int] | None = None):
+        """(prediction, target, timesteps) of the DDPM objective; the random draws come from the global
+        RNG, or with `seeds` (one per sample) from `seeded_draws`, with no caption dropout."""
         moments = batch["latents"] if "latents" in batch else self.vae_moments(batch["image"])
-        latents = self.sample_latents(moments)
-        context = self._context(batch)
-        noise = torch.randn_like(latents)
-        if self.offset_noise:
-            noise = noise + self.offset_noise * torch.randn(*latents.shape[:2], 1, 1, device=latents.device)
-        timesteps = torch.randint(
-            0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
-        )
+        steps = self.noise_scheduler.config.num_train_timesteps
+        if seeds is None:
+            latents = self.sample_latents(moments)
+            context = self._context(batch)
+            noise = torch.randn_like(latents)
+            if self.offset_noise:
+                noise = noise + self.offset_noise * torch.randn(
+                    *latents.shape[:2], 1, 1, device=latents.device
+                )
+            timesteps = torch.randint(0, steps, (latents.shape[0],), device=latents.device)
+        else:
+            posterior = DiagonalGaussianDistribution(moments.float())
+            draws = seeded_draws(seeds, posterior.mean.shape[1:], steps, moments.device)
+            latents = (posterior.mean + posterior.std * draws["latent"]) * self.latent_scale
+            context = self._context(batch, drop_captions=False)
+            noise = draws["noise"]
+            if self.offset_noise:
+                noise = noise + self.offset_noise * draws["offset"]
+            timesteps = draws["timesteps"]
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         if self.prediction_type == "epsilon":
             target = noise
@@ -160,8 +191,55 @@ class StableDiffusion(ComposerModel):
         weight = weight / snr if self.prediction_type == "epsilon" else weight / (snr + 1)
         return (per_sample * weight).mean()
 
+    # -- evaluation ------------------------------------------------------------------------------
     def eval_forward(self, batch, outputs=None):
-        return outputs if outputs is not None else self.forward(batch)
+        """Validation outputs: like `forward`, but the latent sample, noise, offset noise and timestep of
+        each sample come from a CPU generator seeded with `eval_seeds` (the eval seed and a hash of the
+        sample's content), never from the global RNG, and no caption is dropped (even in train mode).
+
+        Seeding from the content rather than from a batch counter makes the draws a property of the
+        sample: the same sample of the same checkpoint gets the same noise every evaluation, however
+        many training steps ran before, in any batch, at any batch size or number of devices; and an
+        evaluation during training consumes none of the training's random numbers. (Two identical
+        samples get identical draws, which only makes them count twice.)
+        """
+        if outputs is not None:
+            return outputs
+        return self._diffuse(batch, seeds=self.eval_seeds(batch))
+
+    def eval_seeds(self, batch) -> list[int]:
+        """One 63-bit seed per sample: blake2b of `eval_seed`, the sample's pixels (or precomputed
+        latent moments) and its token ids (or text embeddings), as raw bytes. Costs a copy of the batch
+        to the CPU and about 3 ms per 256 px image (one core); validation only."""
+        pixels = batch["latents"] if "latents" in batch else batch["image"]
+        text = batch["text_embeds"] if "text_embeds" in batch else batch["input_ids"]
+        pixels, text = pixels.detach().cpu().contiguous(), text.detach().cpu().contiguous()
+        seeds = []
+        for i in range(pixels.shape[0]):
+            digest = hashlib.blake2b(int(self.eval_seed).to_bytes(8, "little", signed=True), digest_size=8)
+            for part in (pixels[i], text[i]):
+                digest.update(part.flatten().view(torch.uint8).numpy().tobytes())
+            seeds.append(int.from_bytes(digest.digest(), "little") >> 1)
+        return seeds
+
+    # -- throughput ------------------------------------------------------------------------------
+    def flops_per_batch(self, batch) -> float:
+        """UNet forward + backward FLOPs of a training batch, for Composer's SpeedMonitor, which turns
+        them into `throughput/device/flops_per_sec` and, with the device's peak, `throughput/device/mfu`.
+
+        Only the trained UNet counts (models/flops.py: matmuls, convolutions, attention), as in
+        mosaicml/diffusion and MLPerf: not the frozen VAE encoder and text encoder forwards (which a
+        run on precomputed latents skips, so MFU stays comparable between the two) nor gradient
+        checkpointing's recomputation. Counted once per latent size and context length on the meta
+        device from this UNet's config, then cached.
+        """
+        if "latents" in batch:
+            n, _, height, width = batch["latents"].shape
+        else:
+            n, _, height, width = batch["image"].shape
+            height, width = height // self.vae_scale_factor, width // self.vae_scale_factor
+        context_length = (batch["text_embeds"] if "text_embeds" in batch else batch["input_ids"]).shape[1]
+        return n * unet_training_flops(self.unet.config, height, width, context_length)
 
     def get_metrics(self, is_train: bool = False):
         return {} if is_train else {"MeanSquaredError": self.val_mse}
@@ -214,3 +292,17 @@ class StableDiffusion(ComposerModel):
         self.unet.train(was_training)
         images = self.vae.decode(latents / self.latent_scale).sample
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def seeded_draws(seeds: list[int], latent_shape, num_timesteps: int, device) -> dict[str, torch.Tensor]:
+    """Per sample, from a CPU generator seeded with its seed (so the same on any device): the
+    posterior's standard normal `latent`, the `noise`, a timestep, and the per-channel `offset`
+    noise, drawn in that order (the offset last, so offset_noise leaves the others unchanged)."""
+    draws = {"latent": [], "noise": [], "timesteps": [], "offset": []}
+    for seed in seeds:
+        generator = torch.Generator().manual_seed(seed)
+        draws["latent"].append(torch.randn(latent_shape, generator=generator))
+        draws["noise"].append(torch.randn(latent_shape, generator=generator))
+        draws["timesteps"].append(torch.randint(0, num_timesteps, (), generator=generator))
+        draws["offset"].append(torch.randn(latent_shape[0], 1, 1, generator=generator))
+    return {name: torch.stack(values).to(device) for name, values in draws.items()}

@@ -3,12 +3,16 @@
 import json
 import logging
 import os
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import checkpoint, dist, format_name_with_dist, reproducibility
+
+from convert.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +69,8 @@ def _point_latest_at(saver, state: State, path: Path) -> None:
     if saver.latest_filename is None:
         return
     latest = Path(saver.latest_filename.format(state))
-    tmp = latest.with_name(f".tmp-{os.getpid()}-{latest.name}")
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(os.path.relpath(path, latest.parent))
-    os.replace(tmp, latest)
+    with atomic_path(latest) as tmp:
+        tmp.symlink_to(os.path.relpath(path, latest.parent))
 
 
 class LossLog(Callback):
@@ -132,3 +134,51 @@ class RestoreRngOnResume(Callback):
             reproducibility.load_rng_state(self.pending)
             self.pending = None
             log.info("restored the checkpoint's RNG state %s", when)
+
+
+class IsolateEvalRng(Callback):
+    """Evaluation during training leaves the training's random numbers as they were.
+
+    The model's validation draws come from its own seeded generators (`StableDiffusion.eval_forward`),
+    but the evaluation loop still touches the global RNGs: each new eval dataloader iterator draws its
+    base seed from torch's, and whatever else runs in it (a dataset, a callback) may draw too. Without
+    this, a run with `eval_interval` would train on other noise, timesteps and caption dropout than the
+    same run without. The python, numpy, torch and CUDA states are saved before the first evaluator
+    (EVAL_BEFORE_ALL) and restored after the last (EVAL_AFTER_ALL), after every callback's EVAL_END;
+    `trainer.eval()`, which runs no *_ALL event, is covered from EVAL_START to EVAL_END.
+    """
+
+    def __init__(self):
+        self._saved = None
+        self._around_all = False
+
+    def eval_before_all(self, state: State, logger: Logger) -> None:
+        self._saved, self._around_all = _rng_state(), True
+
+    def eval_start(self, state: State, logger: Logger) -> None:
+        if self._saved is None:
+            self._saved = _rng_state()
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        if not self._around_all:
+            self._restore()
+
+    def eval_after_all(self, state: State, logger: Logger) -> None:
+        self._restore()
+        self._around_all = False
+
+    def _restore(self) -> None:
+        if self._saved is not None:
+            python, numpy_state, torch_state, cuda = self._saved
+            random.setstate(python)
+            np.random.set_state(numpy_state)
+            torch.random.set_rng_state(torch_state)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+            self._saved = None
+
+
+def _rng_state():
+    cuda_used = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda = torch.cuda.get_rng_state_all() if cuda_used else None
+    return random.getstate(), np.random.get_state(), torch.random.get_rng_state(), cuda

@@ -6,18 +6,22 @@ build the model, the data, the optimizer and scheduler, the `_target_` objects, 
 
 import dataclasses
 import logging
+import os
+from urllib.parse import urlparse
 
+import torch
 from composer import Trainer
+from composer.loggers import MLFlowLogger
 from composer.utils import dist, reproducibility
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from data.image_caption import build_image_caption_dataloader, ensure_dataset
+from data.image_caption import build_image_caption_dataloader
 from models import build
-from recipes.callbacks import RestoreRngOnResume
+from recipes.callbacks import IsolateEvalRng, RestoreRngOnResume
 from recipes.checkpointing import install_atomic_checkpoint_writes
 from recipes.config import ConfigError, RunConfig, check_device, parse_config
-from recipes.prepare import prepare_pretrained
+from recipes.prepare import ensure_dataset, prepare_pretrained
 from recipes.scaling import plan_batches
 from recipes.secrets import protect_config_secrets, redact
 from recipes.shm import clean_shared_memory
@@ -50,8 +54,23 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
 
     trainer = Trainer(**trainer_kwargs(run, world_size))
     trainer.state.callbacks.append(RestoreRngOnResume(trainer))
-    trainer.logger.log_hyperparameters(redact(dataclasses.asdict(run)))  # what wandb/MLflow show
+    trainer.state.callbacks.append(IsolateEvalRng())  # evaluating leaves training's random draws unchanged
+    params = redact(dataclasses.asdict(run))  # what wandb/MLflow show: masked (recipes/secrets.py)
+    for destination in trainer.logger.destinations:
+        # MLflow keeps a param per top-level key as one string; dotted keys (optimizer.lr) can be
+        # compared and filtered across runs.
+        destination.log_hyperparameters(_flat(params) if isinstance(destination, MLFlowLogger) else params)
     return trainer
+
+
+def _flat(params: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in params.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _plan(run: RunConfig, world_size: int):
@@ -75,6 +94,11 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
     eval_loader = None
     if run.data.eval is not None:
         eval_loader = build_image_caption_dataloader(run.data.eval, model.tokenizer, batch_size)
+        # Each new DataLoader iterator draws its workers' base seed from `generator`, else from the
+        # global torch RNG; Composer starts one for every evaluation and spins the eval loader once at
+        # fit start, which would shift the training's noise. (The training loader keeps the global
+        # RNG: resuming relies on that draw, see RestoreRngOnResume.)
+        eval_loader.generator = torch.Generator().manual_seed(run.seed)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = instantiate(run.optimizer, params=trainable)
@@ -101,13 +125,50 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
         schedulers=scheduler,
         algorithms=[instantiate(spec) for spec in run.algorithms.values()],
         callbacks=[instantiate(spec) for spec in run.callbacks.values()],
-        loggers=[instantiate(spec) for spec in run.loggers.values()],
+        loggers=[_instantiate_logger(spec) for spec in run.loggers.values()],
         **run.trainer,
     )
 
 
+def _instantiate_logger(spec: dict):
+    if spec["_target_"].rsplit(".", 1)[-1] == "MLFlowLogger":
+        uri = str(spec.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or "")
+        if uri and urlparse(uri).scheme in ("", "file"):
+            # mlflow 3 refuses to open a file store (a folder or file://) unless this is set, steering
+            # users to a database store, which mlflow-skinny cannot run (no SQLAlchemy). A run that
+            # names a folder asked for a file store.
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    return instantiate(spec)
+
+
 def train(cfg: RunConfig | DictConfig | dict) -> Trainer:
-    """Build the Trainer for `cfg`, train it to `trainer.max_duration`, and return it."""
+    """Build the Trainer for `cfg`, train it to `trainer.max_duration`, close it, and return it.
+
+    Closing flushes every logger (MLflow's asynchronous queue, uploads of RemoteUploaderDownloader,
+    wandb) and ends its run before this returns. Left to Composer's atexit hook, it would run after
+    the interpreter has stopped the thread pools those loggers queue work on, and MLflow would keep
+    nothing ("cannot schedule new futures after interpreter shutdown"). The returned trainer's state
+    (model, EMA, timestamp, saved_checkpoints) stays usable; closing it again does nothing. A caller of
+    `build_trainer` + `fit()` must call `trainer.close()` itself.
+    """
     trainer = build_trainer(cfg)
-    trainer.fit()
+    try:
+        trainer.fit()
+    except BaseException:
+        # Inside `except`, so loggers see the error (MLflow marks the run FAILED). Only this process's
+        # loggers: no barrier, which would wait for ranks that may never come.
+        trainer.engine.close()
+        _mark_mlflow_runs_failed(trainer)
+        raise
+    trainer.close()
     return trainer
+
+
+def _mark_mlflow_runs_failed(trainer: Trainer) -> None:
+    """Composer 0.32's MLFlowLogger marks a run that raised FAILED, then calls mlflow.end_run(), which
+    (mlflow 3) sets it FINISHED again: set it back."""
+    for destination in trainer.logger.destinations:
+        if isinstance(destination, MLFlowLogger) and destination._enabled and destination._run_id:
+            from mlflow import MlflowClient
+
+            MlflowClient(destination.tracking_uri).set_terminated(destination._run_id, status="FAILED")
