@@ -9,10 +9,37 @@ import pytest
 # first stage trains (so no stage-1 run is needed), and the batch the 64-sample test set was sized for.
 TINY_TEST = ["model.pretrained=null", "global_train_batch_size=16"]
 REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_run(shapes_mds: Path, batches: int) -> list[str]:
+    """Overrides of yamls/tiny-cpu.yaml for an in-process test run: `batches` batches on the shared
+    shapes set, no checkpoints, no progress bar."""
+    return [
+        f"data.train.local={shapes_mds / 'mds'}",
+        "~data.train.prepare",
+        *TINY_TEST,
+        f"trainer.max_duration={batches}ba",
+        "trainer.save_folder=null",
+        "trainer.progress_bar=false",
+    ]
+
+
 sys.path.insert(0, str(REPO))
 # Tests never reach a hub or a logging service.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test runs one torch thread: pytest-xdist runs a worker per core, and two threads on a
+    shared 2-core machine ran the tiny model ~40x slower than one (tests/test_nan_guard.py)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session", autouse=True)

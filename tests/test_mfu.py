@@ -2,24 +2,15 @@
 peak FLOP/s set in the YAML (`callbacks.speed_monitor.gpu_flops_available`)."""
 
 import pytest
-import torch
 from composer.core import Callback
 from composer.loggers import InMemoryLogger
 
 from models import flops
 from recipes import build_trainer, load_config
-from tests.conftest import REPO, TINY_TEST
+from tests.conftest import REPO, tiny_run
 
 BATCHES = 4
 PEAK = 2.0e12  # FLOP/s: any number; a CPU has no entry in Composer's table
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class _BatchClock(Callback):
@@ -34,12 +25,7 @@ class _BatchClock(Callback):
 
 def test_speed_monitor_logs_mfu_from_unet_flops_and_the_yaml_peak(shapes_mds, tmp_path):
     overrides = [
-        f"data.train.local={shapes_mds / 'mds'}",
-        "~data.train.prepare",
-        *TINY_TEST,
-        f"trainer.max_duration={BATCHES}ba",
-        "trainer.save_folder=null",
-        "trainer.progress_bar=false",
+        *tiny_run(shapes_mds, BATCHES),
         "callbacks.speed_monitor.window_size=1",
         f"callbacks.speed_monitor.gpu_flops_available={PEAK}",
         "+loggers.memory={_target_: composer.loggers.InMemoryLogger}",

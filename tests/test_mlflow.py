@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from composer.core import Callback
 from PIL import Image
 
@@ -16,7 +15,7 @@ from recipes import load_config, train
 from recipes import secrets as secrets_module
 from recipes.callbacks import read_loss_log
 from recipes.secrets import MASK
-from tests.conftest import REPO, TINY_TEST
+from tests.conftest import REPO, tiny_run
 
 BATCHES = 4
 ENV_SECRET = "hf_fakeHubToken0123456789abcdefghij"
@@ -35,14 +34,6 @@ class ImageProbe(Callback):
 
     def fit_end(self, state, logger):
         logger.log_images(self.image, name="probe", step=int(state.timestamp.batch))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -69,12 +60,7 @@ def test_mlflow_store_holds_masked_params_metrics_mfu_and_an_image(
     )
     webhook = f"https://bot:{URL_PASSWORD}@hooks.example/notify?token={ENV_SECRET}"
     overrides = [
-        f"data.train.local={shapes_mds / 'mds'}",
-        "~data.train.prepare",
-        *TINY_TEST,
-        f"trainer.max_duration={BATCHES}ba",
-        "trainer.save_folder=null",
-        "trainer.progress_bar=false",
+        *tiny_run(shapes_mds, BATCHES),
         "callbacks.speed_monitor.window_size=1",
         "callbacks.speed_monitor.gpu_flops_available=1.0e12",
         f"+callbacks.loss_log={{_target_: recipes.callbacks.LossLog, path: {tmp_path / 'loss.jsonl'}}}",
@@ -130,12 +116,7 @@ def test_a_run_that_fails_is_flushed_and_marked_failed(shapes_mds, tmp_path, mon
 
     store = f"file://{tmp_path / 'mlruns'}"
     overrides = [
-        f"data.train.local={shapes_mds / 'mds'}",
-        "~data.train.prepare",
-        *TINY_TEST,
-        f"trainer.max_duration={BATCHES}ba",
-        "trainer.save_folder=null",
-        "trainer.progress_bar=false",
+        *tiny_run(shapes_mds, BATCHES),
         "+_loggers=mlflow",  # the command-line form of the switch
         f"loggers.mlflow.tracking_uri={store}",
         "+callbacks.poison={_target_: tests.probes.PoisonBatch, batch: 3}",

@@ -14,15 +14,6 @@ from tests.conftest import REPO
 BATCHES = 5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Two threads on a shared 2-core machine run the tiny model ~40x slower than one.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _trainer(shapes_mds, save, *extra):
     overrides = [
         f"data.train.local={shapes_mds / 'mds'}",

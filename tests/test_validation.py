@@ -5,24 +5,15 @@ import gc
 import random
 
 import numpy as np
-import pytest
 import torch
 from composer.core import Callback
 
 from models import build_model
 from recipes import build_trainer, load_config
 from recipes.callbacks import read_loss_log
-from tests.conftest import REPO, TINY_TEST
+from tests.conftest import REPO, tiny_run
 
 BATCHES = 4
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _batch(n=4):
@@ -87,12 +78,7 @@ class _DrawsDuringEval(Callback):
 
 def _run(shapes_mds, tmp_path, *extra, callbacks=()):
     overrides = [
-        f"data.train.local={shapes_mds / 'mds'}",
-        "~data.train.prepare",
-        *TINY_TEST,
-        f"trainer.max_duration={BATCHES}ba",
-        "trainer.save_folder=null",
-        "trainer.progress_bar=false",
+        *tiny_run(shapes_mds, BATCHES),
         f"+callbacks.loss_log={{_target_: recipes.callbacks.LossLog, path: {tmp_path / 'loss.jsonl'}}}",
         *extra,
     ]
