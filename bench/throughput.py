@@ -74,6 +74,7 @@ def measure(yaml_path: str, batches: int, warmup: int, overrides: list[str], dat
     cfg = load_config(yaml_path, overrides)
     with open_dict(cfg):  # an override `loggers={}` would merge into them, not remove them
         cfg.loggers, cfg.algorithms = {}, {}
+        cfg.callbacks.pop("samples", None)  # sampling is not training throughput
     resolution = int(cfg.data.train.resolution)
     trainer = build_trainer(cfg)
     clock = BatchClock()

@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = f"a row per prompt, {result['images'] // result['per_prompt']} prompts"
     print(f"samples:    {result['grid'].resolve()}  ({rows})")
     print(f"manifest:   {result['manifest'].resolve()}")
+    progress = sorted(checkpoint.parent.glob("samples/ba*.png"), key=lambda p: int(p.stem[2:]))
+    print(f"training:   {len(progress)} sample grids under {checkpoint.parent.resolve() / 'samples'}")
     print(
         f"colour accuracy {result['color']:.1%}, shape accuracy {result['shape']:.1%} over "
         f"{result['images']} images (seed 0); stages took "

@@ -1,5 +1,6 @@
 """Callbacks the recipes use besides Composer's own."""
 
+import contextlib
 import json
 import logging
 import os
@@ -169,12 +170,7 @@ class IsolateEvalRng(Callback):
 
     def _restore(self) -> None:
         if self._saved is not None:
-            python, numpy_state, torch_state, cuda = self._saved
-            random.setstate(python)
-            np.random.set_state(numpy_state)
-            torch.random.set_rng_state(torch_state)
-            if cuda is not None:
-                torch.cuda.set_rng_state_all(cuda)
+            _set_rng_state(self._saved)
             self._saved = None
 
 
@@ -182,3 +178,22 @@ def _rng_state():
     cuda_used = torch.cuda.is_available() and torch.cuda.is_initialized()
     cuda = torch.cuda.get_rng_state_all() if cuda_used else None
     return random.getstate(), np.random.get_state(), torch.random.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Whatever the block draws from the python, numpy, torch or CUDA RNGs, they are as before after it."""
+    saved = _rng_state()
+    try:
+        yield
+    finally:
+        _set_rng_state(saved)
+
+
+def _set_rng_state(saved) -> None:
+    python, numpy_state, torch_state, cuda = saved
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.random.set_rng_state(torch_state)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)

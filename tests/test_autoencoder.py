@@ -76,6 +76,7 @@ def test_tiny_recipe_makes_its_missing_vae_first(shapes_mds, tmp_path):
         f"model.pretrained={export}",
         f"prepare_pretrained={tmp_path / 'short-vae.yaml'}",
         "trainer.max_duration=1ba",
+        "callbacks.samples=null",
         f"trainer.save_folder={tmp_path / 'sd-ckpt'}",
         "trainer.progress_bar=false",
     ]

@@ -37,3 +37,6 @@ def test_quick_demo_learns_to_follow_the_shape(tmp_path):
     assert {row["prompt"] for row in manifest} == {"a red circle", "a green square", "a blue triangle"}
     assert len(manifest) == 12 and all((out / "samples" / row["file"]).is_file() for row in manifest)
     assert f"manifest:   {(out / 'samples/manifest.json').resolve()}" in result.stdout
+    # The training stage drew its sample grid at the end (recipes/samples.py, yamls/tiny-cpu.yaml).
+    grids = tmp_path / "runs/tiny-cpu/checkpoints/samples"
+    assert (grids / "ba450.png").is_file() and json.loads((grids / "ba450.json").read_text())["ema"]

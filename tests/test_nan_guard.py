@@ -23,6 +23,7 @@ def _trainer(shapes_mds, save, *extra):
         f"trainer.max_duration={BATCHES}ba",
         f"trainer.save_folder={save}",
         "trainer.save_interval=1000ba",  # no interval checkpoint: the guard's is the only one
+        "callbacks.samples=null",
         "trainer.autoresume=true",
         "trainer.progress_bar=false",
         *extra,

@@ -16,6 +16,7 @@ from data.image_caption import ImageCaptionDataset
 from models import build_model
 from recipes import ConfigError, build_trainer, load_config, parse_config
 from recipes.callbacks import NaNGuard
+from recipes.samples import SampleGrids
 from recipes.trainer import trainer_kwargs
 from tests.conftest import REPO
 
@@ -147,7 +148,9 @@ def test_sd2_base_wiring_trains_on_the_tiny_preset(shapes_mds, tmp_path):
     assert (str(scheduler.t_warmup), scheduler.alpha_f) == ("10000ba", 1.0)
     assert kwargs["algorithms"] == []  # EMA comes with stage 2 (sd2-base-512.yaml)
     callbacks = kwargs["callbacks"]
-    assert [type(c) for c in callbacks] == [SpeedMonitor, LRMonitor, MemoryMonitor, NaNGuard]
+    assert [type(c) for c in callbacks] == [SpeedMonitor, LRMonitor, MemoryMonitor, NaNGuard, SampleGrids]
+    grids = callbacks[4]
+    assert (len(grids.prompts), grids.per_prompt, grids.guidance, grids.steps) == (4, 4, [3.0, 7.5], 25)
     assert callbacks[0].history_samples.maxlen == 10 + 1  # window_size 10
     assert callbacks[3].check_inf and callbacks[3].save_last_good
     [logger] = kwargs["loggers"]
@@ -169,6 +172,8 @@ def test_sd2_base_wiring_trains_on_the_tiny_preset(shapes_mds, tmp_path):
         "trainer.progress_bar=false",
         "~loggers.wandb",
         "callbacks.memory_monitor=null",
+        "callbacks.samples.per_prompt=1",
+        "callbacks.samples.steps=2",
     ]
     trainer = build_trainer(load_config(YAMLS / "sd2-base.yaml", given + cpu))
     assert trainer.state.device_train_microbatch_size == 4
@@ -178,3 +183,5 @@ def test_sd2_base_wiring_trains_on_the_tiny_preset(shapes_mds, tmp_path):
     # two batches the lr is 1/10000 of 1e-4 (a constant schedule would leave 1e-4).
     assert trainer.state.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4 * 1 / 10000)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ep*.pt")) == ["ep0-ba2-rank0.pt"]
+    # The end-of-training grid lands under the checkpoint folder (4 prompts x 2 guidance scales).
+    assert (tmp_path / "checkpoints/samples/ba2.json").is_file()
