@@ -107,9 +107,7 @@ class SampleGrids(Callback):
             }
             png.with_suffix(".json").write_text(json.dumps(record, indent=1))
             log.info("samples at batch %d: %s", batch, png)
-        for g in self.guidance:
-            start = self.guidance.index(g) * len(self.prompts) * self.per_prompt
-            block = images[start : start + len(self.prompts) * self.per_prompt]
+        for g, block in zip(self.guidance, images.chunk(len(self.guidance)), strict=True):  # guidance-major
             logger.log_images(block, name=f"samples/guidance_{g:g}", step=batch)
         return png
 
