@@ -259,11 +259,13 @@ class StableDiffusion(ComposerModel):
         width: int | None = None,
         seed: int = 0,
         sampler: str = "ddim",
+        seeds: list[int] | None = None,
     ) -> torch.Tensor:
         """Images for `prompts` as a float tensor (B, 3, H, W) in [0, 1], with classifier-free guidance.
 
         The initial noise comes from a CPU generator seeded with `seed`, so the same seed gives the
-        same image on any device.
+        same image on any device. `seeds` (one per prompt) draws each image's noise from its own
+        generator instead, so an image does not depend on which others share its batch.
         """
         if sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {sampler!r}; choose one of {sorted(SAMPLERS)}")
@@ -279,8 +281,14 @@ class StableDiffusion(ComposerModel):
         context = self.encode_text(ids)
         cond, uncond = context[:n], context[n:]
         shape = (n, self.unet.config.in_channels, height // factor, width // factor)
-        generator = torch.Generator().manual_seed(seed)
-        latents = torch.randn(shape, generator=generator).to(device) * scheduler.init_noise_sigma
+        if seeds is None:
+            noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        elif len(seeds) != n:
+            raise ValueError(f"give one seed per prompt: {len(seeds)} seeds for {n} prompts")
+        else:
+            draws = [torch.randn(shape[1:], generator=torch.Generator().manual_seed(s)) for s in seeds]
+            noise = torch.stack(draws)
+        latents = noise.to(device) * scheduler.init_noise_sigma
         was_training = self.unet.training
         self.unet.eval()
         for t in scheduler.timesteps:

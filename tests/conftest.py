@@ -95,6 +95,26 @@ def shapes_mds(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint(shapes_mds, tmp_path_factory) -> Path:
+    """A checkpoint of 3 batches of the tiny recipe with EMA (half-life 2 batches, so the average
+    differs from the raw UNet), shared by every test process: read it, never write it."""
+    from recipes import build_trainer, load_config
+
+    def build(folder: Path) -> None:
+        overrides = [
+            *tiny_run(shapes_mds, 3),
+            f"trainer.save_folder={folder}",
+            "trainer.save_filename=ckpt.pt",
+            "algorithms.ema.half_life=2",
+        ]
+        trainer = build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", overrides))
+        trainer.fit()
+        trainer.close()
+
+    return shared_folder(tmp_path_factory, "tiny-checkpoint", build) / "ckpt.pt"
+
+
+@pytest.fixture(scope="session")
 def reference_run(shapes_mds, tmp_path_factory):
     """`reference_run(nproc)`: the folder of one uninterrupted run of tests.resume_check's command on
     `nproc` processes, trained once per session and shared by every test that compares against it

@@ -9,32 +9,13 @@ from transformers import CLIPTextModel
 
 from models import export
 from models.export import load_model_from_checkpoint
-from recipes import build_trainer, load_config
-from tests.conftest import REPO, TINY_TEST
 
 PROMPTS = ["a red circle", "a blue square"]
 
 
-def train_tiny_checkpoint(shapes_mds: Path, folder: Path) -> Path:
-    """3 batches of the tiny recipe with EMA (half-life 2 batches, so it differs from the raw UNet)."""
-    overrides = [
-        f"data.train.local={shapes_mds / 'mds'}",
-        "~data.train.prepare",
-        *TINY_TEST,
-        f"trainer.save_folder={folder}",
-        "trainer.progress_bar=false",
-        "trainer.max_duration=3ba",
-        "algorithms.ema.half_life=2",
-    ]
-    trainer = build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", overrides))
-    trainer.fit()
-    trainer.close()
-    return Path(trainer.saved_checkpoints[-1])
-
-
 @pytest.fixture(scope="module")
-def checkpoint(shapes_mds, tmp_path_factory) -> Path:
-    return train_tiny_checkpoint(shapes_mds, tmp_path_factory.mktemp("ckpt"))
+def checkpoint(tiny_checkpoint) -> Path:
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from PIL import Image
 
 from models import generate
 from models.export import export_pipeline, load_model_from_checkpoint
-from tests.test_export import train_tiny_checkpoint
 
 PROMPTS = ["a red circle", "a blue square"]
 FAST = ["--n-per-prompt", "3", "--steps", "3", "--seed", "5"]
@@ -20,8 +19,8 @@ def _grid_size(rows: int, cols: int, side: int, pad: int = generate.GRID_PADDING
 
 
 @pytest.fixture(scope="module")
-def checkpoint(shapes_mds, tmp_path_factory):
-    return train_tiny_checkpoint(shapes_mds, tmp_path_factory.mktemp("ckpt"))
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,283 @@
+"""FID, KID and CLIP score of a checkpoint (or exported pipeline) on an MDS image-caption set.
+
+    python -m recipes.evaluate CHECKPOINT_OR_PIPELINE_DIR --data MDS_DIR_OR_S3 --out DIR \\
+        [--n 30000] [--guidance 3 5 8] [--steps 50] [--sampler ddim] [--resolution 512] [--seed 2023] \\
+        [--inception-weights PATH] [--clip-model PATH] [--extractors real|tiny] [--protocol mlperf]
+    composer -n 8 -m recipes.evaluate ... --num-captions 30000   # split across 8 processes
+
+One image per caption of `--n` rows of the set (all rows when it has fewer; otherwise drawn with
+`--seed`), for each guidance scale. The image of row i starts from noise seeded with seed + i, and
+batches are dealt to ranks in turn, so any number of processes gives the same images and metrics.
+Images are kept as DIR/images/guidance-G/ROW.png: a rerun (after a kill, or with more guidance
+scales) reuses them. FID and KID compare Inception features of the generated images with those of
+the rows' own images (resized and center-cropped to the resolution); CLIP score is the mean cosine
+similarity of each image with its caption. Writes DIR/metrics.json, DIR/metrics.md,
+DIR/fid-vs-clip.png and DIR/samples.png (the first images, a row per guidance scale).
+
+`--protocol mlperf`: MLPerf Training's Stable Diffusion settings (30,000 captions drawn with seed
+2023, DDIM 50 steps, guidance 8, 512 px; targets FID <= 90, CLIP score >= 0.15) on the set given,
+e.g. COCO-2014 val written by `sd-convert coco`. `--extractors tiny`: random stand-in networks
+(recipes/extractors.py) for tests and the CPU demo; their numbers are not comparable to papers'.
+"""
+
+import argparse
+import io
+import json
+import logging
+import random
+import sys
+from pathlib import Path
+
+import torch
+from composer.utils import dist, get_device
+from PIL import Image
+from torchvision import transforms
+from torchvision.utils import save_image
+from tqdm import tqdm
+
+from convert.atomic import atomic_path, atomic_write_bytes
+from models.export import add_weight_args
+from models.generate import load_model
+from models.stable_diffusion import SAMPLERS
+from recipes import extractors
+from recipes.image_metrics import scores, write_report
+
+log = logging.getLogger("recipes.evaluate")  # not "__main__" under python -m
+
+DEFAULTS = dict(n=30_000, guidance=[8.0], steps=50, sampler="ddim", resolution=None, seed=2023)
+PROTOCOLS = {  # MLPerf Training v4.x, stable_diffusion reference (mlcommons/training)
+    "mlperf": dict(DEFAULTS, resolution=512, targets={"fid": 90.0, "clip_score": 0.15}),
+}
+SAMPLE_COLUMNS = 8  # images per guidance scale in samples.png
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m recipes.evaluate", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("source", help="a Composer checkpoint file or an exported pipeline folder")
+    parser.add_argument("--data", required=True, help="MDS image-caption set: a folder or s3://... URL")
+    parser.add_argument("--out", required=True, type=Path, help="folder for images and metrics")
+    parser.add_argument("--protocol", choices=sorted(PROTOCOLS), help="a published protocol's settings")
+    parser.add_argument(
+        "--n",
+        "--num-captions",
+        dest="n",
+        type=int,
+        help=f"captions to sample (default {DEFAULTS['n']}); under composer -n write --num-captions "
+        "(composer's launcher takes --n as an abbreviation of its own options)",
+    )
+    parser.add_argument("--guidance", type=float, nargs="+", help="guidance scales (default 8)")
+    parser.add_argument("--steps", type=int, help=f"sampling steps (default {DEFAULTS['steps']})")
+    parser.add_argument("--sampler", choices=sorted(SAMPLERS), help="default ddim")
+    parser.add_argument("--resolution", type=int, help="pixels (default: the model's size)")
+    parser.add_argument("--seed", type=int, help=f"row choice and noise (default {DEFAULTS['seed']})")
+    parser.add_argument("--batch-size", type=int, default=8, help="images per forward pass per process")
+    parser.add_argument("--extractors", choices=("real", "tiny"), default="real")
+    parser.add_argument("--inception-weights", help=f"torch-fidelity's {extractors.INCEPTION_FILE}")
+    parser.add_argument("--clip-model", help="open_clip weights file or folder (see --clip-arch)")
+    parser.add_argument("--clip-arch", default=extractors.CLIP_ARCH, help="open_clip architecture")
+    parser.add_argument("--caption-key", default="caption")
+    parser.add_argument("--image-key", default="image")
+    parser.add_argument("--cache", help="local cache for a remote --data (default DIR/data-cache)")
+    add_weight_args(parser)
+    args = parser.parse_args(argv)
+    settings = PROTOCOLS.get(args.protocol, DEFAULTS)
+    for key, default in settings.items():  # flags given explicitly win over the protocol
+        if getattr(args, key, None) is None:
+            setattr(args, key, default)
+    args.targets = settings.get("targets")
+    if args.n < 1 or args.steps < 1 or args.batch_size < 1:
+        parser.error("--n, --steps and --batch-size must be >= 1")
+    return args
+
+
+def open_dataset(args):
+    from streaming import StreamingDataset
+
+    remote = args.data if "://" in args.data else None
+    local = (args.cache or str(args.out / "data-cache")) if remote else args.data
+    if not remote and not (Path(local) / "index.json").is_file():
+        raise FileNotFoundError(f"--data {args.data}: no MDS index.json there")
+    return StreamingDataset(remote=remote, local=local, shuffle=False, batch_size=1)
+
+
+def choose_rows(size: int, n: int, seed: int) -> list[int]:
+    """Every row when the set has at most `n`, else `n` drawn with `seed`, in row order."""
+    return list(range(size)) if n >= size else sorted(random.Random(seed).sample(range(size), n))
+
+
+def real_image(sample: dict, key: str, resolution: int) -> torch.Tensor:
+    image = sample[key]
+    if isinstance(image, bytes):
+        image = Image.open(io.BytesIO(image))
+    crop = transforms.Compose([transforms.Resize(resolution), transforms.CenterCrop(resolution)])
+    return transforms.functional.pil_to_tensor(crop(image.convert("RGB")))
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    return (images.clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+
+def png_bytes(image: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image.permute(1, 2, 0).numpy()).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def load_png(path: Path) -> torch.Tensor:
+    return transforms.functional.pil_to_tensor(Image.open(path).convert("RGB"))
+
+
+class SettingsChanged(ValueError):
+    """DIR already holds images made with other settings."""
+
+
+def check_settings(folder: Path, settings: dict) -> None:
+    """Images in `folder` are reused only if they were made with the same settings."""
+    path = folder / "settings.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        if before != settings:
+            changed = sorted(k for k in settings.keys() | before.keys() if before.get(k) != settings.get(k))
+            raise SettingsChanged(
+                f"{folder} holds images made with other settings ({', '.join(changed)} differ): "
+                "give another --out or delete that folder"
+            )
+    elif dist.get_global_rank() == 0:
+        atomic_write_bytes(path, (json.dumps(settings, indent=1) + "\n").encode())
+
+
+def batch_features(args, model, inception, clip, dataset, rows, guidance, folder, resolution) -> dict:
+    """Generate (or reuse) the images of `rows`; their Inception features and CLIP scores."""
+    paths = [folder / f"{row:07d}.png" for row in rows]
+    captions = [dataset[row][args.caption_key] for row in rows]
+    if all(path.is_file() for path in paths):
+        images, made = torch.stack([load_png(path) for path in paths]), 0
+    else:
+        generated = model.generate(
+            captions,
+            guidance_scale=guidance,
+            num_inference_steps=args.steps,
+            height=resolution,
+            width=resolution,
+            sampler=args.sampler,
+            seeds=[args.seed + row for row in rows],
+        )
+        images, made = to_uint8(generated), len(rows)
+        for path, image in zip(paths, images, strict=True):
+            atomic_write_bytes(path, png_bytes(image))
+    device = next(model.parameters()).device
+    return {
+        "inception": inception(images.to(device)).double().cpu(),
+        "clip": clip.scores(images, captions).cpu(),
+        "generated": made,
+    }
+
+
+def gather(results: dict[int, dict]) -> list[dict]:
+    """Every rank's per-batch results, in batch order (on every rank)."""
+    merged = {}
+    for part in dist.all_gather_object(results):
+        merged.update(part)
+    return [merged[i] for i in sorted(merged)]
+
+
+def cat(results: list[dict], key: str) -> torch.Tensor:
+    return torch.cat([result[key] for result in results])
+
+
+def real_features(args, inception, dataset, batches, resolution, device) -> torch.Tensor:
+    """Inception features of the chosen rows' own images, cached in DIR/real-features.pt."""
+    key = {"data": args.data, "rows": batches, "resolution": resolution, "extractors": args.extractors}
+    cache = args.out / "real-features.pt"
+    if cache.is_file():
+        saved = torch.load(cache, weights_only=False)
+        if saved["key"] == key:
+            return saved["features"]
+    mine = {}
+    for number in range(dist.get_global_rank(), len(batches), dist.get_world_size()):
+        images = torch.stack([real_image(dataset[r], args.image_key, resolution) for r in batches[number]])
+        mine[number] = {"features": inception(images.to(device)).double().cpu()}
+    features = cat(gather(mine), "features")
+    if dist.get_global_rank() == 0:
+        with atomic_path(cache) as tmp:
+            torch.save({"key": key, "features": features}, tmp)
+    return features
+
+
+def evaluate(args) -> list[dict] | None:
+    """Run the evaluation; the metric rows on rank 0 (None on the other ranks)."""
+    device = get_device(None)
+    if dist.get_world_size() > 1:
+        dist.initialize_dist(device)
+    rank = dist.get_global_rank()
+    inception = extractors.inception(args.extractors, args.inception_weights)
+    clip = extractors.clip(args.extractors, args.clip_model, args.clip_arch)
+    model = load_model(args.source, args.ema, preset=args.preset, prediction_type=args.prediction_type)
+    torch_device = device._device
+    model.to(torch_device), inception.to(torch_device), clip.model.to(torch_device)
+    resolution = args.resolution or model.unet.config.sample_size * model.vae_scale_factor
+    dataset = open_dataset(args)
+    rows = choose_rows(dataset.num_samples, args.n, args.seed)  # len() is per rank
+    batches = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
+    mine = range(rank, len(batches), dist.get_world_size())
+    log.info("%d captions of %s, %d batches, %d on this rank", len(rows), args.data, len(batches), len(mine))
+    real = real_features(args, inception, dataset, batches, resolution, torch_device)
+
+    results, made, grids = [], 0, []
+    progress = tqdm(total=len(mine) * len(args.guidance), desc="images", unit="batch", disable=rank != 0)
+    for guidance in args.guidance:
+        folder = args.out / "images" / f"guidance-{guidance:g}"
+        settings = {
+            "source": str(Path(args.source).resolve()), "ema": args.ema, "steps": args.steps,
+            "sampler": args.sampler, "resolution": resolution, "seed": args.seed, "guidance": guidance,
+        }  # fmt: skip
+        check_settings(folder, settings)
+        per_batch = {}
+        with torch.no_grad():
+            for number in mine:
+                per_batch[number] = batch_features(
+                    args, model, inception, clip, dataset, batches[number], guidance, folder, resolution
+                )
+                progress.update()
+        everything = gather(per_batch)
+        made += sum(result["generated"] for result in everything)
+        if rank == 0:
+            results.append(
+                scores(real, cat(everything, "inception"), cat(everything, "clip"), guidance, args.seed)
+            )
+            grids += [load_png(folder / f"{row:07d}.png") for row in rows[:SAMPLE_COLUMNS]]
+    progress.close()
+    dist.barrier()
+    if rank != 0:
+        return None
+    total = len(rows) * len(args.guidance)
+    log.info("images: %d generated, %d reused from an earlier run", made, total - made)
+    header = (
+        f"{args.source} on {len(rows)} captions of {args.data}: {args.sampler} {args.steps} steps, "
+        f"{resolution} px, seed {args.seed}, {args.extractors} extractors"
+    )
+    paths = write_report(args.out, results, header, args.targets)
+    save_image(
+        torch.stack(grids).float() / 255, args.out / "samples.png", nrow=min(SAMPLE_COLUMNS, len(rows))
+    )
+    print(paths["md"].read_text(), end="")
+    print(f"metrics: {paths['json'].resolve()}\nsamples: {(args.out / 'samples.png').resolve()}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> list[dict] | None:
+    # open_clip and streaming log setup chatter at INFO to the root logger; ours stays at INFO.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("recipes", "models"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    args = parse_args(argv)
+    try:
+        return evaluate(args)
+    except (extractors.MissingWeights, FileNotFoundError, SettingsChanged) as error:
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    main()
