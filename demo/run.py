@@ -10,6 +10,9 @@
    EMA and caption dropout.
 4. demo/evaluate.py samples every prompt from the EMA weights with classifier-free guidance
    and measures how often colour and shape match the prompt.
+5. `recipes.evaluate --extractors tiny` samples one image per caption of held-out shapes (another
+   seed) at several guidance scales and reports FID, KID and CLIP score against those shapes (with
+   random stand-in networks: the numbers rank runs of this demo, they are not published-FID scale).
 
 Runs offline on a CPU; everything lands under runs/. `python -m demo --quick` is a short
 version for the tests.
@@ -28,11 +31,13 @@ import torch
 from composer.utils import reproducibility
 
 from convert.atomic import atomic_path
+from convert.folder import iter_samples as folder_samples
 from convert.latents import columns, iter_samples
 from convert.mds import write_mds
-from data.synthetic import COLORS, SHAPES, draw_shape
+from data.synthetic import COLORS, SHAPES, draw_shape, write_shapes_folder
 from demo.evaluate import evaluate, judge
 from models import build
+from recipes import evaluate as image_metrics
 from recipes import load_config, parse_config, train
 from recipes.ema import ema_weights
 
@@ -58,7 +63,11 @@ QUICK = {
     ],
     "per_prompt": 4,
     "prompts": ["a red circle", "a green square", "a blue triangle"],
+    "metrics": ["--num-captions", "24", "--guidance", "1", "4", "--steps", "10"],
 }
+# Step 5: 192 held-out captions, 3 guidance scales, DDIM 25 steps (as demo/evaluate.py): ~1 minute.
+METRICS = ["--num-captions", "192", "--guidance", "1", "4", "8", "--steps", "25"]
+HELDOUT_SEED, HELDOUT_SIZE = 1, 512
 
 
 def vae_reconstruction_accuracy(autoencoder, n: int = 240, seed: int = 1) -> dict[str, float]:
@@ -102,6 +111,18 @@ def precompute_latents(cfg, prompts: list[str] | None = None) -> tuple[list[str]
     return ["data.train.latents=true", f"data.train.local={out}", "data.train.prepare=null"], model
 
 
+def heldout_shapes(out: Path, prompts: list[str] | None) -> Path:
+    """An MDS set of shapes the models never saw (another seed than the training set's), only those
+    captioned with one of `prompts` when given."""
+    mds = out / "heldout" / "mds"
+    if not (mds / "index.json").exists():
+        images = write_shapes_folder(out / "heldout" / "images", HELDOUT_SIZE, seed=HELDOUT_SEED)
+        rows = (row for row in folder_samples(images) if prompts is None or row["caption"] in prompts)
+        with atomic_path(mds) as tmp:
+            write_mds(rows, str(tmp))
+    return mds
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         prog="python -m demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -116,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     out = Path(args.out)
-    quick = QUICK if args.quick else {"vae": [], "sd": [], "per_prompt": args.per_prompt, "prompts": None}
+    full = {"vae": [], "sd": [], "per_prompt": args.per_prompt, "prompts": None, "metrics": METRICS}
+    quick = QUICK if args.quick else full
     times = {}
 
     start = time.perf_counter()
@@ -145,14 +167,23 @@ def main(argv: list[str] | None = None) -> dict:
         result = evaluate(sd_trainer.state.model, out / "samples", quick["per_prompt"], seed=0, **prompts)
     times["eval"] = time.perf_counter() - start
     sd_trainer.close()
+    checkpoint = Path(sd_trainer.saved_checkpoints[-1])
+
+    start = time.perf_counter()
+    print("FID / KID / CLIP score on held-out shapes (tiny random extractors: compare demo runs only)")
+    metrics = image_metrics.main(
+        [str(checkpoint), "--data", str(heldout_shapes(out, quick["prompts"])), "--out", str(out / "metrics")]
+        + ["--extractors", "tiny", "--seed", "0", *quick["metrics"]]
+    )
+    times["metrics"] = time.perf_counter() - start
 
     summary = {
         "vae_reconstruction": recon,
         "samples": {k: result[k] for k in ("color", "shape", "both", "images")},
+        "metrics": metrics,
         "seconds": {k: round(v, 1) for k, v in times.items()},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    checkpoint = Path(sd_trainer.saved_checkpoints[-1])
     print(f"checkpoint: {checkpoint.resolve()}")
     rows = f"a row per prompt, {result['images'] // result['per_prompt']} prompts"
     print(f"samples:    {result['grid'].resolve()}  ({rows})")

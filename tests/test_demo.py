@@ -40,3 +40,8 @@ def test_quick_demo_learns_to_follow_the_shape(tmp_path):
     # The training stage drew its sample grid at the end (recipes/samples.py, yamls/tiny-cpu.yaml).
     grids = tmp_path / "runs/tiny-cpu/checkpoints/samples"
     assert (grids / "ba450.png").is_file() and json.loads((grids / "ba450.json").read_text())["ema"]
+    # It ends with recipes.evaluate on held-out shapes at two guidance scales, table printed.
+    assert [row["guidance"] for row in summary["metrics"]] == [1, 4]
+    assert all(row["n"] == 24 and row["fid"] > 0 for row in summary["metrics"])
+    assert "| guidance | images | FID | KID (x1000) | CLIP score |" in result.stdout
+    assert (out / "metrics/fid-vs-clip.png").is_file() and (out / "metrics/samples.png").is_file()
