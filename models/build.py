@@ -10,6 +10,7 @@ from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor
 from transformers import CLIPTextModel, CLIPTokenizer
 
+from models import sharding
 from models.presets import build_components
 from models.stable_diffusion import StableDiffusion
 from models.tokenizer import build_tokenizer
@@ -61,6 +62,8 @@ def build_model(
     attention: str = "sdpa",
     low_precision_norms: str | None = None,
     compile_unet: bool | dict = False,
+    fsdp_wrap: str = "blocks",
+    activation_checkpointing: str | None = None,
 ) -> StableDiffusion:
     """The ComposerModel for `preset` (a name in models.presets.PRESETS).
 
@@ -75,6 +78,9 @@ def build_model(
         precision with Composer's low-precision modules (only meaningful under that AMP precision).
     compile_unet: true to torch.compile the UNet, or a dict of torch.compile options, e.g.
         {mode: max-autotune} or {backend: aot_eager} (no C compiler needed; what the CPU tests use).
+    fsdp_wrap, activation_checkpointing: the UNet's FSDP units ("unet", "blocks", "layers") and
+        the ones recomputed in the backward pass under FSDP (None, "blocks", "layers"); see
+        models/sharding.py.
     """
     unknown = set(pretrained_components) - set(COMPONENTS)
     if unknown:
@@ -87,6 +93,9 @@ def build_model(
         )
     if attention not in ("sdpa", "math"):
         raise ValueError(f"attention={attention!r}; choose 'sdpa' or 'math'")
+    for key, value in (("fsdp_wrap", fsdp_wrap), ("activation_checkpointing", activation_checkpointing)):
+        if value is not None and value not in sharding.GRANULARITIES:
+            raise ValueError(f"{key}={value!r}; choose one of {sharding.GRANULARITIES}")
 
     parts = build_components(preset)
     parts["tokenizer"] = build_tokenizer()
@@ -117,6 +126,7 @@ def build_model(
 
         apply_low_precision_groupnorm(unet, Precision(low_precision_norms))
         apply_low_precision_layernorm(unet, Precision(low_precision_norms))
+    sharding.configure(unet, fsdp_wrap, activation_checkpointing)
     if compile_unet:
         # In place (nn.Module.compile), not torch.compile(unet): a wrapper would rename every
         # weight to `_orig_mod.*` in checkpoints, EMA and export.

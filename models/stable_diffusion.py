@@ -87,6 +87,7 @@ class StableDiffusion(ComposerModel):
         self.min_snr_gamma = min_snr_gamma
         self.caption_drop_prob = caption_drop_prob
         self.val_mse = MeanSquaredError()
+        self._empty_embedding: dict[torch.device, torch.Tensor] = {}
         # Sharding only the UNet: the frozen parts are small next to it and have no optimizer state.
         self.unet._fsdp_wrap = True
         self.vae._fsdp_wrap = False
@@ -117,25 +118,27 @@ class StableDiffusion(ComposerModel):
         return self.text_encoder(input_ids)[0]
 
     def empty_text_embedding(self, device) -> torch.Tensor:
-        """The embedding of "" (1, 77, D): the unconditional branch's condition."""
-        return self.encode_text(tokenize(self.tokenizer, [""]).to(device))
+        """The embedding of "" (1, 77, D): the unconditional branch's condition. The text encoder is
+        frozen, so it is encoded once per device (and again after load_state_dict)."""
+        device = torch.device(device)
+        if device not in self._empty_embedding:
+            self._empty_embedding[device] = self.encode_text(tokenize(self.tokenizer, [""]).to(device))
+        return self._empty_embedding[device]
+
+    def load_state_dict(self, *args, **kwargs):
+        self._empty_embedding.clear()  # the text encoder's weights may change
+        return super().load_state_dict(*args, **kwargs)
 
     def _context(self, batch, drop_captions: bool = True) -> torch.Tensor:
         if "text_embeds" in batch:
             context = batch["text_embeds"].float()
-            if not drop_captions:
-                return context
-            drop = self._drop_mask(context.shape[0], context.device)
-            if drop.any():
-                context = torch.where(drop[:, None, None], self.empty_text_embedding(context.device), context)
-            return context
-        ids = batch["input_ids"]
+        else:
+            context = self.encode_text(batch["input_ids"])
         if not drop_captions:
-            return self.encode_text(ids)
-        drop = self._drop_mask(ids.shape[0], ids.device)
-        if drop.any():
-            ids = torch.where(drop[:, None], tokenize(self.tokenizer, [""]).to(ids.device), ids)
-        return self.encode_text(ids)
+            return context
+        drop = self._drop_mask(context.shape[0], context.device)
+        # No `if drop.any()`: that would wait for the GPU every step to save one cheap where().
+        return torch.where(drop[:, None, None], self.empty_text_embedding(context.device), context)
 
     def _drop_mask(self, n: int, device) -> torch.Tensor:
         if not self.training or self.caption_drop_prob == 0.0:
