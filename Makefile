@@ -13,7 +13,7 @@ export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench gpu-check clean
 
 install: $(STAMP)
 
@@ -38,6 +38,10 @@ format: install
 
 test: lint
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --durations=15
+
+# The GPU path measured and checked (bench/gpu_check.py); exits with one line where there is no CUDA.
+gpu-check: install
+	$(PY) bench/gpu_check.py
 
 bench: install
 	$(PY) bench/ema.py

@@ -77,6 +77,8 @@ def measure(yaml_path: str, batches: int, warmup: int, overrides: list[str], dat
         cfg.callbacks.pop("samples", None)  # sampling is not training throughput
     resolution = int(cfg.data.train.resolution)
     trainer = build_trainer(cfg)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     clock = BatchClock()
     trainer.state.callbacks.append(clock)  # engine runs state.callbacks at every event
     trainer.fit()
@@ -95,6 +97,7 @@ def measure(yaml_path: str, batches: int, warmup: int, overrides: list[str], dat
         "world_size": dist.get_world_size(),
         "device": device_name(),
         "timed_batches": len(timed) - 1,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "recipe": str(yaml_path),
         "algorithms": algorithms,
         "loggers": loggers,

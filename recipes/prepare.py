@@ -20,6 +20,7 @@ from pathlib import Path
 
 from convert.__main__ import main as sd_convert
 from convert.atomic import atomic_path
+from convert.mds import write_mds
 from data.image_caption import ImageCaptionDataConfig
 from data.synthetic import write_shapes_folder
 from recipes.config import ConfigError
@@ -89,8 +90,36 @@ def prepare_shapes_mds(local: str | Path, n: int = 2048, size: int = 32, seed: i
     return local
 
 
+def prepare_sd2_latents(local: str | Path, n: int = 512, resolutions=(256, 512), seed: int = 0) -> Path:
+    """Random precomputed latents shaped like sd2-base's (`convert latents` columns: VAE moments at
+    each resolution, 77 x 1024 OpenCLIP-H text embeddings), for GPU throughput and wiring checks
+    (bench/gpu_check.py) where the data's content does not matter and a VAE pass would be wasted.
+    Made once; safe when several ranks call it at once (as prepare_shapes_mds)."""
+    import numpy as np
+
+    from convert.latents import columns
+
+    local = Path(local)
+    if (local / "index.json").exists():
+        return local
+    rng = np.random.default_rng(seed)
+
+    def rows():
+        for i in range(n):
+            row = {"caption": "", "key": str(i), "text_embeds": rng.standard_normal((77, 1024), np.float32)}
+            for r in resolutions:  # moments: mean ~ 5 N(0, 1), as unscaled SD latents (scale 0.18215)
+                mean = rng.standard_normal((4, r // 8, r // 8), np.float32) * 5
+                row[f"latents_{r}"] = np.concatenate([mean, np.full_like(mean, -6.0)]).astype(np.float16)
+            row["text_embeds"] = row["text_embeds"].astype(np.float16)
+            yield row
+
+    with atomic_path(local, existing="keep") as out:
+        write_mds(rows(), str(out), columns(list(resolutions)))
+    return local
+
+
 # Datasets that `data.train.prepare: NAME` builds at `data.train.local` when it is missing.
-PREPARERS = {"shapes": prepare_shapes_mds}
+PREPARERS = {"shapes": prepare_shapes_mds, "sd2-latents": prepare_sd2_latents}
 
 
 def ensure_dataset(cfg: ImageCaptionDataConfig) -> None:

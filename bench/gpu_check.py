@@ -1,0 +1,281 @@
+"""`make gpu-check`: the GPU path of yamls/sd2-base.yaml, measured and checked, on the GPUs at hand.
+
+    python bench/gpu_check.py [--out runs/gpu-check] [--parts throughput e2e ema] [--quick]
+
+1. throughput: bench/throughput.py (each variant its own `composer -n GPUS` process) on sd2-base,
+   bf16, precomputed latents (random, `data.prepare: sd2-latents`): img/s per GPU, MFU (UNet
+   training FLOPs, models/flops.py, against Composer's peak for the GPU) and peak memory, for the
+   variants in VARIANTS at 256 px and the baseline and best at 512 px. The best is written to
+   OUT/throughput-256.json / -512.json, which `recipes.plan --throughput-file` reads.
+2. e2e: the real yamls/sd2-base.yaml (overrides only for data, duration, batch, save folder, and EMA
+   switched on as the 512 px stage has it) trains 50 batches under FSDP and saves at 25 and 50; a
+   second run resumes from batch 25 and must end bitwise equal (UNet and EMA); the final checkpoint
+   is exported and the pipeline generates an image.
+3. ema: the EMA's storage variants (fp32 on the GPU, bf16, CPU offload) give the same average.
+Prints a markdown table with the anchors' ratios; exits non-zero if a check fails. Without CUDA
+it exits at once with one line. Needs no network: the weights are random.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[0] = str(REPO)  # not bench/: its convert.py would shadow the convert package
+
+ANCHORS = {  # img/s per GPU to reach, and where the number comes from
+    256: (440.0, "MosaicML's 23.8% MFU on A100 carried to H100"),
+    512: (124.0, "NVIDIA's MLPerf Training v4.1 SD per H100"),
+}
+MICROBATCH = {256: 32, 512: 16}
+VARIANTS = {  # name -> overrides on top of the recipe; the first is the baseline
+    "baseline (sdpa, per-block FSDP)": [],
+    "math attention": ["model.attention=math"],
+    "channels_last": ["model.channels_last=true"],
+    "compile": ["model.compile_unet=true"],
+    "FSDP: whole UNet": ["model.fsdp_wrap=unet"],
+    "FSDP: per layer": ["model.fsdp_wrap=layers"],
+    "checkpointing, 2x microbatch": [
+        "model.activation_checkpointing=blocks",
+        "trainer.parallelism_config.fsdp.activation_checkpointing=true",
+        "MICROBATCH_X2",
+    ],
+    "2x microbatch": ["MICROBATCH_X2"],
+}
+DATA = ["data.train.prepare=sd2-latents", "data.train.latents=true", "data.train.num_workers=4"]
+
+
+def gpus() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu-check needs a CUDA GPU; none is visible here (torch.cuda.is_available() is False)")
+    return torch.cuda.device_count()
+
+
+def composer(n: int, args: list[str], log: Path, timeout: int) -> subprocess.CompletedProcess:
+    command = [str(REPO / ".venv/bin/composer"), "-n", str(n), *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    with open(log, "w") as out:
+        return subprocess.run(
+            command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout
+        )
+
+
+def variant_overrides(n: int, resolution: int, variant: list[str]) -> tuple[int, list[str]]:
+    """(microbatch, the overrides bench/throughput.py gets) for a variant on `n` GPUs."""
+    micro = MICROBATCH[resolution] * (2 if "MICROBATCH_X2" in variant else 1)
+    sizes = [f"global_train_batch_size={micro * n}", f"trainer.device_train_microbatch_size={micro}"]
+    return micro, [
+        *DATA,
+        f"data.train.resolution={resolution}",
+        *sizes,
+        *(o for o in variant if o != "MICROBATCH_X2"),
+    ]
+
+
+def throughput(n: int, out: Path, resolution: int, name: str, overrides: list[str], batches: int) -> dict:
+    from models.flops import mfu, training_flops_per_image
+
+    micro, overrides = variant_overrides(n, resolution, overrides)
+    result_file = out / f"tp-{resolution}-{len(list(out.glob('tp-*.json')))}.json"
+    args = ["bench/throughput.py", "yamls/sd2-base.yaml", "--batches", str(batches), "--warmup", "5"]
+    args += ["--data", str(out / "latents"), "--out", str(result_file), *overrides]
+    done = composer(n, args, result_file.with_suffix(".log"), timeout=900)
+    row = {"variant": name, "resolution": resolution, "microbatch": micro, "ok": done.returncode == 0}
+    if row["ok"]:
+        result = json.loads(result_file.read_text())
+        row.update(
+            img_s=result["img_per_sec_per_gpu"], memory_gb=result.get("peak_memory_gb"), file=result_file
+        )
+        row["mfu"] = mfu(row["img_s"], training_flops_per_image("sd2-base", resolution), peak_flops())
+    else:
+        row["log"] = str(result_file.with_suffix(".log"))
+    return row
+
+
+def peak_flops() -> float:
+    """Composer's bf16 peak for this GPU (SpeedMonitor's table), NaN for one it does not know."""
+    import torch
+    from composer.callbacks.speed_monitor import GPU_AVAILABLE_FLOPS
+
+    name = torch.cuda.get_device_name().lower()
+    for chip in ("h200", "h100", "a100", "a10"):
+        if chip in name:
+            key = next(
+                k for k in GPU_AVAILABLE_FLOPS if k.startswith(chip) and ("pcie" in k) == ("pcie" in name)
+            )
+            return GPU_AVAILABLE_FLOPS[key].get("bf16") or float("nan")
+    return float("nan")
+
+
+def part_throughput(n: int, out: Path, quick: bool) -> list[dict]:
+    batches = 10 if quick else 20
+    names = list(VARIANTS)[:1] if quick else list(VARIANTS)
+    rows = [throughput(n, out, 256, name, VARIANTS[name], batches) for name in names]
+    good = [r for r in rows if r["ok"]]
+    best = max(good, key=lambda r: r["img_s"], default=None)
+    rows.append(throughput(n, out, 512, names[0], VARIANTS[names[0]], batches))
+    if best is not None and best["variant"] != names[0]:
+        rows.append(throughput(n, out, 512, best["variant"], VARIANTS[best["variant"]], batches))
+    for resolution in (256, 512):
+        done = [r for r in rows if r["ok"] and r["resolution"] == resolution]
+        if done:
+            top = max(done, key=lambda r: r["img_s"])
+            (out / f"throughput-{resolution}.json").write_text(Path(top["file"]).read_text())
+    return rows
+
+
+def e2e_overrides(n: int, out: Path) -> list[str]:
+    """yamls/sd2-base.yaml as it is, but for data, duration, batch, saving and EMA (on, as at 512 px)."""
+    return [
+        *DATA, f"data.train.local={out / 'latents'}", "data.train.remote=null", "data.train.resolution=256",
+        "model.pretrained=null", "prepare_pretrained=null", "~loggers.wandb", "callbacks.samples=null",
+        f"global_train_batch_size={8 * n}", "trainer.device_train_microbatch_size=8",
+        "trainer.max_duration=50ba", "trainer.save_interval=25ba", "trainer.save_num_checkpoints_to_keep=-1",
+        "+algorithms.ema._target_=recipes.ema.EMA", "+algorithms.ema.smoothing=0.99",
+        "data.train.num_canonical_nodes=1", "trainer.progress_bar=false",
+    ]  # fmt: skip
+
+
+def part_e2e(n: int, out: Path) -> list[str]:
+    """Problems found (empty when all held)."""
+    import torch
+
+    base = ["train.py", "yamls/sd2-base.yaml", *e2e_overrides(n, out)]
+    problems = []
+    first, second = out / "e2e-a", out / "e2e-b"
+    done = composer(n, [*base, f"trainer.save_folder={first}"], out / "e2e-a.log", timeout=1800)
+    if done.returncode != 0:
+        return [f"training failed (exit {done.returncode}); see {out / 'e2e-a.log'}"]
+    second.mkdir(parents=True, exist_ok=True)
+    (second / "ep0-ba25-rank0.pt").symlink_to(first / "ep0-ba25-rank0.pt")
+    (second / "latest-rank0.pt").symlink_to("ep0-ba25-rank0.pt")
+    done = composer(n, [*base, f"trainer.save_folder={second}"], out / "e2e-b.log", timeout=1800)
+    if done.returncode != 0:
+        return [f"resumed training failed (exit {done.returncode}); see {out / 'e2e-b.log'}"]
+    a = torch.load(first / "ep0-ba50-rank0.pt", map_location="cpu", weights_only=False, mmap=True)["state"]
+    b = torch.load(second / "ep0-ba50-rank0.pt", map_location="cpu", weights_only=False, mmap=True)["state"]
+    for key in ("model", "algorithms"):
+        if repr(_flat(a[key])) != repr(_flat(b[key])) or not all(
+            torch.equal(x, y) for x, y in zip(_flat(a[key]).values(), _flat(b[key]).values())
+        ):
+            problems.append(f"resume from batch 25 is not bitwise equal to the uninterrupted run ({key})")
+    export = out / "pipeline"
+    done = subprocess.run(
+        [sys.executable, "-m", "models.export", str(first / "ep0-ba50-rank0.pt"), str(export), "--ema"],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode != 0:
+        return [*problems, f"export failed: {done.stderr[-500:]}"]
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(export, torch_dtype=torch.bfloat16).to("cuda")
+    image = pipe("a photo", num_inference_steps=10, height=256, width=256).images[0]
+    image.save(out / "e2e-image.png")
+    return problems
+
+
+def _flat(tree, prefix="") -> dict:
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}/{key}").items()}
+    if isinstance(tree, list | tuple):
+        return {k: v for i, value in enumerate(tree) for k, v in _flat(value, f"{prefix}/{i}").items()}
+    return {}
+
+
+def part_ema() -> list[str]:
+    """The average of 20 updates of sd2-base's UNet shape, per storage variant, against fp32."""
+    import torch
+
+    from models.presets import build_components
+    from recipes.ema import EMA
+
+    unet = build_components("sd2-base")["unet"].cuda()
+    averages = {}
+    for name, kwargs in {"fp32": {}, "bf16": {"storage": "bf16"}, "offload": {"offload": True}}.items():
+        torch.manual_seed(0)
+        for p in unet.parameters():
+            p.data.normal_(0, 0.02)
+        ema = EMA(smoothing=0.9, **kwargs)
+        ema._bind(unet)
+        for batch in range(20):
+            with torch.no_grad():
+                for p in unet.parameters():
+                    p.add_(torch.randn_like(p), alpha=0.01)
+            ema.step(batch)
+        torch.cuda.synchronize()
+        averages[name] = {k: v.float().cpu() for k, v in ema.state_dict()["ema"].items()}
+    problems = []
+    for name, tolerance in (("bf16", 1e-2), ("offload", 1e-6)):
+        worst = max((averages[name][k] - v).abs().max().item() for k, v in averages["fp32"].items())
+        if worst > tolerance:
+            problems.append(f"EMA {name} differs from fp32 by {worst:.2e} (> {tolerance:g})")
+    return problems
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| variant | px | microbatch | img/s per GPU | MFU | peak GB | vs anchor |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if not r["ok"]:
+            lines.append(
+                f"| {r['variant']} | {r['resolution']} | {r['microbatch']} | failed: {r['log']} | | | |"
+            )
+            continue
+        anchor = ANCHORS[r["resolution"]][0]
+        memory = f"{r['memory_gb']:.1f}" if r.get("memory_gb") is not None else "?"
+        lines.append(
+            f"| {r['variant']} | {r['resolution']} | {r['microbatch']} | {r['img_s']:.1f} | {r['mfu']:.1%} "
+            f"| {memory} | {r['img_s'] / anchor:.2f}x |"
+        )
+    anchors = "; ".join(f"{px} px: {v:g} img/s ({why})" for px, (v, why) in ANCHORS.items())
+    return "\n".join(lines) + f"\n\nAnchors: {anchors}. Moonshot: 50% MFU.\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "runs/gpu-check")
+    parser.add_argument(
+        "--parts", nargs="+", choices=("throughput", "e2e", "ema"), default=["throughput", "e2e", "ema"]
+    )
+    parser.add_argument("--quick", action="store_true", help="the baseline variant only, fewer batches")
+    args = parser.parse_args(argv)
+    n = gpus()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    device = torch.cuda.get_device_name()
+    print(f"# gpu-check {time.strftime('%Y-%m-%d')}: {n} x {device}, torch {torch.__version__}")
+    problems = []
+    if "throughput" in args.parts:
+        rows = part_throughput(n, args.out, args.quick)
+        print(table(rows))
+        problems += [
+            f"throughput variant failed: {r['variant']} at {r['resolution']} px" for r in rows if not r["ok"]
+        ]
+    if "ema" in args.parts:
+        found = part_ema()
+        print("EMA variants (fp32, bf16, offload): " + ("agree" if not found else "; ".join(found)))
+        problems += found
+    if "e2e" in args.parts:
+        found = part_e2e(n, args.out)
+        print("sd2-base train/save/resume/export/generate: " + ("ok" if not found else "; ".join(found)))
+        problems += found
+    for problem in problems:
+        print(f"FAILED: {problem}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
