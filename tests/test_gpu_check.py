@@ -2,7 +2,6 @@
 sd2-base config (so a GPU session does not spend its time on a typo)."""
 
 import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
