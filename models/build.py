@@ -10,8 +10,9 @@ from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from models import sharding
 from models.presets import build_components
+from models.sharding import GRANULARITIES
+from models.sharding import configure as configure_sharding
 from models.stable_diffusion import StableDiffusion
 from models.tokenizer import build_tokenizer
 
@@ -94,8 +95,8 @@ def build_model(
     if attention not in ("sdpa", "math"):
         raise ValueError(f"attention={attention!r}; choose 'sdpa' or 'math'")
     for key, value in (("fsdp_wrap", fsdp_wrap), ("activation_checkpointing", activation_checkpointing)):
-        if value is not None and value not in sharding.GRANULARITIES:
-            raise ValueError(f"{key}={value!r}; choose one of {sharding.GRANULARITIES}")
+        if value is not None and value not in GRANULARITIES:
+            raise ValueError(f"{key}={value!r}; choose one of {GRANULARITIES}")
 
     parts = build_components(preset)
     parts["tokenizer"] = build_tokenizer()
@@ -126,7 +127,7 @@ def build_model(
 
         apply_low_precision_groupnorm(unet, Precision(low_precision_norms))
         apply_low_precision_layernorm(unet, Precision(low_precision_norms))
-    sharding.configure(unet, fsdp_wrap, activation_checkpointing)
+    configure_sharding(unet, fsdp_wrap, activation_checkpointing)
     if compile_unet:
         # In place (nn.Module.compile), not torch.compile(unet): a wrapper would rename every
         # weight to `_orig_mod.*` in checkpoints, EMA and export.

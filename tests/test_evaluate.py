@@ -63,7 +63,9 @@ def test_missing_weights_are_one_clear_line(tmp_path, capsys):
 
 
 def images(folder) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.glob("images/*/*.png"))}
+    # Not the hidden .tmp-* file a SIGKILL can leave mid-write (empty, never renamed into place).
+    files = [p for p in sorted(folder.glob("images/*/*.png")) if not p.name.startswith(".")]
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in files}
 
 
 def launch(source, data, out, nproc: int = 2) -> subprocess.Popen:

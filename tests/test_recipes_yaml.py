@@ -146,7 +146,10 @@ def test_sd2_base_wiring_trains_on_the_tiny_preset(shapes_mds, tmp_path):
     scheduler = kwargs["schedulers"]
     assert isinstance(scheduler, LinearWithWarmupScheduler)
     assert (str(scheduler.t_warmup), scheduler.alpha_f) == ("10000ba", 1.0)
-    assert kwargs["algorithms"] == []  # EMA comes with stage 2 (sd2-base-512.yaml)
+    # Gradient clipping only: EMA comes with stage 2 (sd2-base-512.yaml).
+    assert [(type(a).__name__, a.clipping_type, a.clipping_threshold) for a in kwargs["algorithms"]] == [
+        ("GradientClipping", "norm", 1.0)
+    ]
     callbacks = kwargs["callbacks"]
     assert [type(c) for c in callbacks] == [SpeedMonitor, LRMonitor, MemoryMonitor, NaNGuard, SampleGrids]
     grids = callbacks[4]
