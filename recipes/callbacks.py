@@ -25,30 +25,40 @@ class NonFiniteLossError(RuntimeError):
 class NaNGuard(Callback):
     """Stops training at the first NaN (or Inf) loss, naming the batch.
 
-    The check runs after the loss and before the backward pass and optimizer step, so the weights
-    are still those of the last good batch: with `save_last_good`, they are saved (with optimizer,
-    EMA, data position and RNG state) to `{save_folder}/last-good-ba{N}-rank{R}.pt` before stopping,
-    and the `latest` link points there, so rerunning the command resumes from it. A remote (s3://)
-    save_folder keeps it in the local staging folder that the message names; it is not uploaded.
-    `check_inf=False` stops on NaN only.
+    Each microbatch's loss check stays on the device (no host sync); after the last microbatch's
+    backward and before the optimizer step (Composer's AFTER_TRAIN_BATCH), one flag per batch is
+    read, all-reduced across ranks when there are several (one small collective per batch; Composer
+    itself does one more per batch for the sample count). So a non-finite loss never reaches the
+    optimizer and the weights are still those of the last good batch: with `save_last_good`, they
+    are saved (with optimizer, EMA, data position and RNG state) to
+    `{save_folder}/last-good-ba{N}-rank{R}.pt` before stopping, and the `latest` link points there,
+    so rerunning the command resumes from it. A remote (s3://) save_folder keeps it in the local
+    staging folder that the message names; it is not uploaded. `check_inf=False` stops on NaN only.
     """
 
     def __init__(self, check_inf: bool = True, save_last_good: bool = True):
         self.check_inf = check_inf
         self.save_last_good = save_last_good
+        self._bad: torch.Tensor | None = None  # this batch's microbatches so far: any non-finite?
+
+    def before_train_batch(self, state: State, logger: Logger) -> None:
+        self._bad = None  # also when Composer retries a batch with smaller microbatches (auto)
 
     def after_loss(self, state: State, logger: Logger) -> None:
         losses = state.loss.values() if isinstance(state.loss, dict) else [state.loss]
-        bad = any(
-            torch.isnan(loss).any() or (self.check_inf and torch.isinf(loss).any())
-            for loss in losses
-            if isinstance(loss, torch.Tensor)
-        )
+        for loss in losses:
+            if isinstance(loss, torch.Tensor):
+                loss = loss.detach()
+                bad = (~torch.isfinite(loss) if self.check_inf else torch.isnan(loss)).any()
+                self._bad = bad if self._bad is None else self._bad | bad
+
+    def after_train_batch(self, state: State, logger: Logger) -> None:
+        flag = torch.zeros(1) if self._bad is None else self._bad.reshape(1).float()
+        self._bad = None
         if dist.get_world_size() > 1:  # every rank must stop (and join the save) together
-            flag = state.device.tensor_to_device(torch.tensor([float(bad)]))
+            flag = state.device.tensor_to_device(flag)
             dist.all_reduce(flag, reduce_operation="MAX")
-            bad = bool(flag.item())
-        if not bad:
+        if not flag.item():
             return
         batch = int(state.timestamp.batch) + 1  # the batch being trained, 1-based like checkpoints
         where = ""

@@ -198,6 +198,12 @@ def check_device(trainer: dict) -> None:
             f"'trainer.precision' is {precision}, which the CPU cannot run (Composer trains fp32 on CPU); "
             "use trainer.precision=fp32"
         )
+    if device == "cpu" and trainer.get("device_train_microbatch_size") == "auto":
+        # Composer's adaptive microbatching halves the microbatch on a CUDA out-of-memory error.
+        raise ConfigError(
+            "'trainer.device_train_microbatch_size' is auto, which needs a CUDA GPU (it adapts to CUDA "
+            "out-of-memory errors); give a number, e.g. trainer.device_train_microbatch_size=4"
+        )
     if device == "cpu" and (trainer.get("parallelism_config") or {}).get("fsdp") is not None:
         # Composer 0.32's prepare_fsdp_module calls torch.cuda.current_device() (tried: it fails).
         raise ConfigError(

@@ -56,6 +56,10 @@ def _fails(overrides, shapes_mds, match):
         (["trainer.precision=amp_bf16"], "'trainer.precision' is amp_bf16, which the CPU cannot run"),
         (["trainer.precision=amp_fp16"], "'trainer.precision' is amp_fp16, which the CPU cannot run"),
         (
+            ["+trainer.device_train_microbatch_size=auto"],
+            "'trainer.device_train_microbatch_size' is auto, which needs a CUDA GPU",
+        ),
+        (
             ["+trainer.parallelism_config={fsdp: {sharding_strategy: SHARD_GRAD_OP}}"],
             "'trainer.parallelism_config.fsdp' needs CUDA GPUs",
         ),

@@ -40,7 +40,10 @@ def _finite(state_dict: dict) -> bool:
 def test_nan_stops_naming_the_batch_and_rerun_resumes_from_last_good(shapes_mds, tmp_path):
     bad = random.Random().randint(2, BATCHES - 1)  # chosen afresh each run
     trainer = _trainer(
-        shapes_mds, tmp_path, f"+callbacks.poison={{_target_: tests.probes.PoisonBatch, batch: {bad}}}"
+        shapes_mds,
+        tmp_path,
+        f"+callbacks.poison={{_target_: tests.probes.PoisonBatch, batch: {bad}}}",
+        "+trainer.device_train_microbatch_size=8",  # two microbatches: the guard reads its flag once
     )
     assert any(isinstance(cb, NaNGuard) for cb in trainer.state.callbacks)  # from yamls/_base.yaml
     with pytest.raises(NonFiniteLossError, match=f"loss is not finite at batch {bad};") as err:
@@ -66,8 +69,20 @@ def test_nan_stops_naming_the_batch_and_rerun_resumes_from_last_good(shapes_mds,
     rerun.close()
 
 
-def _state(loss, saver=None):
-    return SimpleNamespace(loss=loss, timestamp=SimpleNamespace(batch=6), callbacks=[saver] if saver else [])
+def _state(loss=None, saver=None):
+    return SimpleNamespace(
+        loss=loss, timestamp=SimpleNamespace(batch=6), callbacks=[saver] if saver else [], device=None
+    )
+
+
+def _batch(guard, *losses, saver=None):
+    """One batch as Composer runs it: a loss per microbatch, then AFTER_TRAIN_BATCH (before the step)."""
+    state = _state(saver=saver)
+    guard.before_train_batch(state, None)
+    for loss in losses:
+        state.loss = loss
+        guard.after_loss(state, None)
+    guard.after_train_batch(state, None)
 
 
 @pytest.mark.parametrize(
@@ -80,15 +95,57 @@ def _state(loss, saver=None):
 )
 def test_guard_stops_on_nan_or_inf_in_any_loss(loss):
     with pytest.raises(NonFiniteLossError, match="^loss is not finite at batch 7$"):  # no saver: no file
-        NaNGuard().after_loss(_state(loss), logger=None)
+        _batch(NaNGuard(), torch.tensor(1.0), loss, torch.tensor(2.0))  # the bad one is microbatch 2 of 3
 
 
 def test_check_inf_false_stops_on_nan_only():
     guard = NaNGuard(check_inf=False)
-    guard.after_loss(_state(torch.tensor(float("inf"))), logger=None)
+    _batch(guard, torch.tensor(float("inf")))
     with pytest.raises(NonFiniteLossError):
-        guard.after_loss(_state(torch.tensor(float("nan"))), logger=None)
-    NaNGuard().after_loss(_state(torch.tensor(2.5)), logger=None)  # finite: nothing happens
+        _batch(guard, torch.tensor(float("nan")))
+    _batch(NaNGuard(), torch.tensor(2.5))  # finite: nothing happens
+
+
+def test_a_bad_microbatch_does_not_carry_over_to_the_next_batch():
+    guard = NaNGuard()
+    with pytest.raises(NonFiniteLossError):
+        _batch(guard, torch.tensor(float("nan")))
+    guard.before_train_batch(_state(), None)  # e.g. Composer retrying the batch after an OOM
+    _batch(guard, torch.tensor(1.0), torch.tensor(1.0))
+
+
+def test_one_collective_and_one_host_read_per_batch_whatever_the_microbatches(monkeypatch):
+    from composer.utils import dist
+
+    calls = {"all_reduce": 0, "item": 0, "bool": 0}
+
+    def all_reduce(tensor, reduce_operation):
+        assert reduce_operation == "MAX"
+        calls["all_reduce"] += 1
+
+    def counting(name, real):
+        def wrapper(self, *args):
+            calls[name] += 1
+            return real(self, *args)
+
+        return wrapper
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.Tensor, "item", counting("item", torch.Tensor.item))
+    monkeypatch.setattr(torch.Tensor, "__bool__", counting("bool", torch.Tensor.__bool__))
+    guard = NaNGuard()
+    state = _state()
+    state.device = SimpleNamespace(tensor_to_device=lambda t: t)
+    for microbatches in (1, 4, 32):  # sd2-base at 8 GPUs runs 32 per step
+        calls.update(all_reduce=0, item=0, bool=0)
+        guard.before_train_batch(state, None)
+        for _ in range(microbatches):
+            state.loss = torch.tensor(0.5)
+            guard.after_loss(state, None)
+        assert calls == {"all_reduce": 0, "item": 0, "bool": 0}  # nothing leaves the device per microbatch
+        guard.after_train_batch(state, None)
+        assert calls == {"all_reduce": 1, "item": 1, "bool": 0}
 
 
 def test_save_last_good_false_saves_nothing(monkeypatch, tmp_path):
@@ -99,5 +156,5 @@ def test_save_last_good_false_saves_nothing(monkeypatch, tmp_path):
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", lambda *a, **k: pytest.fail("saved a checkpoint"))
     with pytest.raises(NonFiniteLossError, match="^loss is not finite at batch 7$"):
-        NaNGuard(save_last_good=False).after_loss(_state(torch.tensor(float("nan")), CheckpointSaver()), None)
+        _batch(NaNGuard(save_last_good=False), torch.tensor(float("nan")), saver=CheckpointSaver())
     assert not list(tmp_path.iterdir())
