@@ -192,34 +192,40 @@ def _flat(tree, prefix="") -> dict:
     return {}
 
 
-def part_ema() -> list[str]:
-    """The average of 20 updates of sd2-base's UNet shape, per storage variant, against fp32."""
+def part_ema() -> tuple[list[str], dict[str, float]]:
+    """The average of 20 updates of sd2-base's UNet shape, per storage variant, against fp32, and
+    each variant's median milliseconds per update (the offload trade-off: host memory vs time)."""
     import torch
 
     from models.presets import build_components
     from recipes.ema import EMA
 
     unet = build_components("sd2-base")["unet"].cuda()
-    averages = {}
+    averages, ms = {}, {}
     for name, kwargs in {"fp32": {}, "bf16": {"storage": "bf16"}, "offload": {"offload": True}}.items():
         torch.manual_seed(0)
         for p in unet.parameters():
             p.data.normal_(0, 0.02)
         ema = EMA(smoothing=0.9, **kwargs)
         ema._bind(unet)
+        times = []
         for batch in range(20):
             with torch.no_grad():
                 for p in unet.parameters():
                     p.add_(torch.randn_like(p), alpha=0.01)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
             ema.step(batch)
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        ms[name] = 1000 * sorted(times[5:])[len(times[5:]) // 2]
         averages[name] = {k: v.float().cpu() for k, v in ema.state_dict()["ema"].items()}
     problems = []
     for name, tolerance in (("bf16", 1e-2), ("offload", 1e-6)):
         worst = max((averages[name][k] - v).abs().max().item() for k, v in averages["fp32"].items())
         if worst > tolerance:
             problems.append(f"EMA {name} differs from fp32 by {worst:.2e} (> {tolerance:g})")
-    return problems
+    return problems, ms
 
 
 def table(rows: list[dict]) -> str:
@@ -265,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             f"throughput variant failed: {r['variant']} at {r['resolution']} px" for r in rows if not r["ok"]
         ]
     if "ema" in args.parts:
-        found = part_ema()
+        found, ms = part_ema()
         print("EMA variants (fp32, bf16, offload): " + ("agree" if not found else "; ".join(found)))
+        print("EMA ms per update: " + ", ".join(f"{name} {value:.1f}" for name, value in ms.items()))
         problems += found
     if "e2e" in args.parts:
         found = part_e2e(n, args.out)

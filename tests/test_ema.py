@@ -1,8 +1,11 @@
 import math
+import threading
+import time
 
 import pytest
 import torch
 
+from recipes import ema as ema_module
 from recipes.ema import EMA
 
 
@@ -105,6 +108,64 @@ def test_bf16_storage():
     with ema.averaged_weights():  # copied in (dtypes differ)
         assert torch.equal(model[0].weight.detach(), averaged)
     assert torch.equal(model[0].weight.detach(), raw)  # raw weights come back at full precision
+
+
+class _SlowCopy:
+    """A stand-in for CUDA's copy engine on a CPU: each copy lands in a background thread a few
+    milliseconds later, like a non-blocking device-to-host copy the CPU may read too early.
+    `wait=False` hands back an event that does not wait, as the old offload code effectively did."""
+
+    def __init__(self, wait: bool = True):
+        self.wait = wait
+        self.threads: list[threading.Thread] = []
+        self.copies = 0
+
+    def begin(self) -> None:
+        pass
+
+    def start(self, src, dst):
+        def land():
+            time.sleep(0.003)
+            dst.copy_(src)
+
+        thread = threading.Thread(target=land)
+        thread.start()
+        self.threads.append(thread)
+        self.copies += 1
+        return type("Event", (), {"synchronize": staticmethod(thread.join if self.wait else lambda: None)})
+
+
+def _offloaded_and_plain(monkeypatch, copy, storage="fp32", batches=4):
+    monkeypatch.setattr(ema_module, "OFFLOAD_CHUNK", 7)  # parameters of 32, 8 and 16 values span many chunks
+    model = _model()
+    plain, offloaded = EMA(smoothing=0.7, storage=storage), EMA(smoothing=0.7, storage=storage, offload=True)
+    offloaded._copy = copy
+    for ema in (plain, offloaded):
+        ema._bind(model)
+        ema.step(0, update=False)
+    for batch in range(1, batches + 1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        for ema in (plain, offloaded):
+            ema.step(batch)
+    for thread in copy.threads:
+        thread.join()
+    return plain.averaged_state(), offloaded.averaged_state()
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16"])
+def test_offload_waits_for_each_chunk_copy_before_reading_it(monkeypatch, storage):
+    copy = _SlowCopy()
+    plain, offloaded = _offloaded_and_plain(monkeypatch, copy, storage)
+    assert copy.copies == 4 * (5 + 2 + 2 + 2)  # 4 updates x chunks of 7: weight 32, bias 8, BN 8 and 8
+    for name in plain:
+        assert torch.equal(plain[name], offloaded[name]), name
+
+
+def test_the_slow_copy_catches_an_offload_that_does_not_wait(monkeypatch):
+    plain, offloaded = _offloaded_and_plain(monkeypatch, _SlowCopy(wait=False))
+    assert not all(torch.equal(plain[name], offloaded[name]) for name in plain)
 
 
 def test_state_dict_round_trip():
