@@ -141,8 +141,8 @@ def test_sd2_base_wiring_trains_on_the_tiny_preset(shapes_mds, tmp_path):
     assert type(optimizer).__name__ == "AdamW"
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert optimized == {id(p) for p in model.unet.parameters()}
-    hyper = {k: optimizer.defaults[k] for k in ("lr", "weight_decay", "betas", "eps")}
-    assert hyper == {"lr": 1e-4, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}
+    hyper = {k: optimizer.defaults[k] for k in ("lr", "weight_decay", "betas", "eps", "fused")}
+    assert hyper == {"lr": 1e-4, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8, "fused": True}
     scheduler = kwargs["schedulers"]
     assert isinstance(scheduler, LinearWithWarmupScheduler)
     assert (str(scheduler.t_warmup), scheduler.alpha_f) == ("10000ba", 1.0)
