@@ -109,8 +109,10 @@ def build_model(
         if "vae" in pretrained_components:  # the latent scale belongs to the VAE it was measured on
             parts["latent_scale"] = parts["vae"].config.scaling_factor
     if zero_terminal_snr:
+        # Lin et al. 2023: rescaled betas (the last step is pure noise) and samplers that start at
+        # that last step ("trailing" spacing); their guidance rescale is generate()'s option.
         parts["noise_scheduler"] = DDPMScheduler.from_config(
-            parts["noise_scheduler"].config, rescale_betas_zero_snr=True
+            parts["noise_scheduler"].config, rescale_betas_zero_snr=True, timestep_spacing="trailing"
         )
 
     unet = parts["unet"]
@@ -133,10 +135,14 @@ def build_model(
         # weight to `_orig_mod.*` in checkpoints, EMA and export.
         unet.compile(**(compile_unet if isinstance(compile_unet, dict) else {}))
 
-    return StableDiffusion(
+    model = StableDiffusion(
         prediction_type=prediction_type,
         offset_noise=offset_noise,
         min_snr_gamma=min_snr_gamma,
         caption_drop_prob=caption_drop_prob,
         **parts,
     )
+    # For the checkpoint's model record (models/record.py).
+    model.preset = preset
+    model.tokenizer_source = pretrained if pretrained and "tokenizer" in pretrained_components else None
+    return model

@@ -2,12 +2,15 @@
 
     python -m models.export CHECKPOINT OUT_DIR [--ema | --raw] [--preset tiny]
 
-The checkpoint stores weights only, not which preset built them, so the architecture is inferred by
-matching the checkpoint's tensor shapes against every preset in models/presets.py (`--preset` names
-it instead). The UNet is the EMA average when the checkpoint has one (`--ema`, the default then) or
-the raw training weights (`--raw`). The exported folder loads with
-`StableDiffusionPipeline.from_pretrained(OUT_DIR)` and samples like `StableDiffusion.generate` with
-the DDIM sampler.
+A checkpoint carries its model record (models/record.py: component configs, noise schedule,
+prediction type, zero-terminal SNR, latent scale, preset), and that exact model is rebuilt; a
+`--preset` or `--prediction-type` that contradicts it is an error. Checkpoints written before the
+record existed are read as before, with a warning: the architecture is inferred by matching their
+tensor shapes against every preset in models/presets.py (or named with `--preset`) and the prediction
+type comes from `--prediction-type` (default epsilon). The UNet is the EMA average when the
+checkpoint has one (`--ema`, the default then) or the raw training weights (`--raw`). The exported
+folder loads with `StableDiffusionPipeline.from_pretrained(OUT_DIR)` and samples like
+`StableDiffusion.generate` with the DDIM sampler.
 """
 
 import argparse
@@ -20,6 +23,7 @@ from diffusers import DDIMScheduler, StableDiffusionPipeline
 from transformers.integrations.accelerate import init_empty_weights
 
 from models.presets import PRESETS, build_components
+from models.record import read_record, rebuild
 from models.stable_diffusion import StableDiffusion
 from models.tokenizer import build_tokenizer
 
@@ -104,15 +108,15 @@ def load_model_from_checkpoint(
     ema: bool | None = None,
     *,
     preset: str | None = None,
-    prediction_type: str = "epsilon",
+    prediction_type: str | None = None,
 ) -> StableDiffusion:
     """The StableDiffusion model of a Composer checkpoint, on the CPU in eval mode.
 
     ema: True for the EMA-averaged UNet (an error if the checkpoint has none), False for the raw
         training weights, None for the average when there is one.
-    preset: the architecture; inferred from the tensor shapes when None.
-    prediction_type: what the UNet was trained to predict. The checkpoint does not record it, so a
-        `v_prediction` run must say so here or its samples come out wrong.
+    preset, prediction_type: checked against the checkpoint's model record; for a checkpoint
+        without one, the architecture (inferred from the tensor shapes when None) and what the UNet
+        predicts (epsilon when None).
     """
     state = read_checkpoint(path)
     weights = model_state(state)
@@ -132,19 +136,46 @@ def load_model_from_checkpoint(
         weights.update({k: v.to(weights[k].dtype, copy=True) for k, v in averaged.items()})
     log.info("%s: %s UNet weights", path, "EMA-averaged" if use_ema else "raw")
 
-    if preset is None:
-        preset = infer_preset(weights)
-        log.info("%s: inferred preset %r from the tensor shapes", path, preset)
-    elif preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
-    elif (why := _difference(_preset_shapes(preset), weights)) is not None:
-        raise ValueError(f"{path} does not hold preset {preset!r}: {why}")
-
+    record = read_record(state)
     # Parameters on the meta device, replaced by the checkpoint's tensors below: no random init of
     # weights about to be overwritten. Buffers (CLIP's position ids, not in the state dict) stay real.
-    with init_empty_weights():
-        components = build_components(preset)
-    model = StableDiffusion(tokenizer=build_tokenizer(), prediction_type=prediction_type, **components)
+    if record is not None:
+        for flag, key, given in (
+            ("--preset", "preset", preset),
+            ("--prediction-type", "prediction_type", prediction_type),
+        ):
+            if given is not None and record.get(key) is not None and given != record[key]:
+                raise ValueError(
+                    f"{flag} {given} contradicts the checkpoint, which records {key}={record[key]!r}"
+                )
+        with init_empty_weights():
+            parts = rebuild(record)
+        log.info(
+            "%s: model from its record (preset %s, %s)", path, record.get("preset"), record["prediction_type"]
+        )
+        model = StableDiffusion(**parts)
+        model.preset, model.tokenizer_source = record.get("preset"), record["tokenizer"].get("source")
+    else:
+        log.warning(
+            "%s has no model record (written before checkpoints carried one): the architecture is inferred "
+            "from its shapes, the prediction type is %s (--prediction-type) and the noise schedule is the "
+            "preset's, so a zero-terminal-SNR run exports wrong; retrain or re-save to record it",
+            path,
+            prediction_type or "epsilon",
+        )
+        if preset is None:
+            preset = infer_preset(weights)
+            log.info("%s: inferred preset %r from the tensor shapes", path, preset)
+        elif preset not in PRESETS:
+            raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+        elif (why := _difference(_preset_shapes(preset), weights)) is not None:
+            raise ValueError(f"{path} does not hold preset {preset!r}: {why}")
+        with init_empty_weights():
+            components = build_components(preset)
+        model = StableDiffusion(
+            tokenizer=build_tokenizer(), prediction_type=prediction_type or "epsilon", **components
+        )
+        model.preset = preset
     model.load_state_dict(weights, strict=True, assign=True)
     return model.eval()
 
@@ -187,13 +218,15 @@ def add_weight_args(parser: argparse.ArgumentParser) -> None:
     )
     weights.add_argument("--raw", dest="ema", action="store_false", help="raw training UNet weights")
     parser.add_argument(
-        "--preset", choices=sorted(PRESETS), help="architecture (default: inferred from the shapes)"
+        "--preset",
+        choices=sorted(PRESETS),
+        help="architecture (default: the checkpoint's record; without one, inferred from the shapes)",
     )
     parser.add_argument(
         "--prediction-type",
         choices=("epsilon", "v_prediction"),
-        default="epsilon",
-        help="what the run trained the UNet to predict (not recorded in checkpoints)",
+        default=None,
+        help="what the UNet predicts (default: the checkpoint's record; without one, epsilon)",
     )
 
 

@@ -2,7 +2,7 @@
 
     python -m models.generate CHECKPOINT_OR_DIR "a red circle" "a blue square" --out grid.png \
         [--n-per-prompt 4] [--seed 0] [--steps 25] [--guidance 5] [--sampler ddim|euler|dpm++] \
-        [--negative-prompt "..."] [--ema | --raw] [--preset tiny] [--device cuda]
+        [--negative-prompt "..."] [--guidance-rescale 0.7] [--ema | --raw] [--device cuda]
 
 One row per prompt, `--n-per-prompt` columns. Every row starts from the same seeded noise, so column
 j differs between rows only by the prompt, and a prompt's row does not depend on the other prompts.
@@ -96,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale")
     parser.add_argument("--sampler", choices=sorted(SAMPLERS), default="ddim")
     parser.add_argument("--negative-prompt", default=None)
+    parser.add_argument(
+        "--guidance-rescale",
+        type=float,
+        default=None,
+        help="diffusers' guidance rescale (default: 0.7 for a zero-terminal-SNR model, else 0)",
+    )
     parser.add_argument("--height", type=int, default=None, help="pixels (default: the model's size)")
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -115,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         negative_prompt=args.negative_prompt,
         guidance_scale=args.guidance,
+        guidance_rescale=args.guidance_rescale,
         num_inference_steps=args.steps,
         height=args.height,
         width=args.width,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from composer.models import ComposerModel
 from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
 from torchmetrics import MeanSquaredError
 
 from models.flops import unet_training_flops
@@ -78,8 +79,12 @@ class StableDiffusion(ComposerModel):
         self.vae = vae.requires_grad_(False).eval()
         self.text_encoder = text_encoder.requires_grad_(False).eval()
         self.tokenizer = tokenizer
-        self.noise_scheduler = noise_scheduler
-        self.noise_scheduler.register_to_config(prediction_type=prediction_type)
+        # Rebuilt rather than `register_to_config(prediction_type=...)`: that leaves the key in the
+        # config's `_use_default_values`, so another class's from_config (the exported DDIM sampler)
+        # silently drops it and predicts epsilon.
+        self.noise_scheduler = type(noise_scheduler).from_config(
+            noise_scheduler.config, prediction_type=prediction_type
+        )
         # A buffer, so checkpoints carry it: a VAE trained here has its own scale (models/autoencoder.py).
         self.register_buffer("latent_scale", torch.tensor(float(latent_scale)))
         self.prediction_type = prediction_type
@@ -99,6 +104,15 @@ class StableDiffusion(ComposerModel):
         self.vae.eval()
         self.text_encoder.eval()
         return self
+
+    @property
+    def zero_terminal_snr(self) -> bool:
+        return bool(self.noise_scheduler.config.get("rescale_betas_zero_snr", False))
+
+    @property
+    def default_guidance_rescale(self) -> float:
+        """0.7 for a zero-terminal-SNR model (Lin et al. 2023, section 3.4), else 0 (no rescale)."""
+        return 0.7 if self.zero_terminal_snr else 0.0
 
     @property
     def vae_scale_factor(self) -> int:
@@ -263,13 +277,18 @@ class StableDiffusion(ComposerModel):
         seed: int = 0,
         sampler: str = "ddim",
         seeds: list[int] | None = None,
+        guidance_rescale: float | None = None,
     ) -> torch.Tensor:
         """Images for `prompts` as a float tensor (B, 3, H, W) in [0, 1], with classifier-free guidance.
 
         The initial noise comes from a CPU generator seeded with `seed`, so the same seed gives the
         same image on any device. `seeds` (one per prompt) draws each image's noise from its own
         generator instead, so an image does not depend on which others share its batch.
+        `guidance_rescale` (diffusers' `rescale_noise_cfg`, as its pipelines apply it) defaults to
+        `default_guidance_rescale`: 0.7 for a zero-terminal-SNR model, else 0.
         """
+        if guidance_rescale is None:
+            guidance_rescale = self.default_guidance_rescale
         if sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {sampler!r}; choose one of {sorted(SAMPLERS)}")
         device = next(self.unet.parameters()).device
@@ -299,6 +318,8 @@ class StableDiffusion(ComposerModel):
             eps = self.unet(model_in, t, encoder_hidden_states=torch.cat([uncond, cond])).sample
             eps_uncond, eps_cond = eps.chunk(2)
             eps = eps_uncond + guidance_scale * (eps_cond - eps_uncond)
+            if guidance_rescale > 0:
+                eps = rescale_noise_cfg(eps, eps_cond, guidance_rescale=guidance_rescale)
             latents = scheduler.step(eps, t, latents).prev_sample
         self.unet.train(was_training)
         images = self.vae.decode(latents / self.latent_scale).sample

@@ -17,7 +17,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from data.image_caption import build_image_caption_dataloader
-from models import build
+from models import StableDiffusion, build
+from models.record import ModelRecord, describe
 from recipes.callbacks import IsolateEvalRng, RestoreRngOnResume
 from recipes.checkpointing import install_atomic_checkpoint_writes
 from recipes.config import ConfigError, RunConfig, check_device, parse_config
@@ -115,6 +116,9 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
         plan.microbatch,
         plan.grad_accum,
     )
+    callbacks = [instantiate(spec) for spec in run.callbacks.values()]
+    if isinstance(model, StableDiffusion):  # every checkpoint says what model it holds
+        callbacks.append(ModelRecord(describe(model)))
     return dict(
         run_name=run.run_name,
         seed=run.seed,
@@ -124,7 +128,7 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
         optimizers=optimizer,
         schedulers=scheduler,
         algorithms=[instantiate(spec) for spec in run.algorithms.values()],
-        callbacks=[instantiate(spec) for spec in run.callbacks.values()],
+        callbacks=callbacks,
         loggers=[_instantiate_logger(spec) for spec in run.loggers.values()],
         **run.trainer,
     )

@@ -100,10 +100,13 @@ def test_missing_checkpoint_is_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_preset_is_checked_against_the_shapes(checkpoint, tmp_path):
-    with pytest.raises(ValueError, match="does not hold preset 'sd2-base'"):
-        load_model_from_checkpoint(checkpoint, ema=False, preset="sd2-base")
+def test_preset_of_an_unrecorded_checkpoint_is_checked_against_the_shapes(checkpoint, tmp_path):
     full = torch.load(checkpoint, weights_only=False)
+    del full["state"]["callbacks"]["ModelRecord"]  # as written before checkpoints carried a record
+    old = tmp_path / "old.pt"
+    torch.save(full, old)
+    with pytest.raises(ValueError, match="does not hold preset 'sd2-base'"):
+        load_model_from_checkpoint(old, ema=False, preset="sd2-base")
     full["state"]["model"]["unet.conv_in.weight"] = torch.zeros(7, 4, 3, 3)
     odd = tmp_path / "odd.pt"
     torch.save(full, odd)
