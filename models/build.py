@@ -10,7 +10,7 @@ from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from models.presets import build_components
+from models.presets import PRESETS, build_components
 from models.sharding import GRANULARITIES
 from models.sharding import configure as configure_sharding
 from models.stable_diffusion import StableDiffusion
@@ -53,7 +53,7 @@ def build_model(
     *,
     pretrained: str | None = None,
     pretrained_components: tuple[str, ...] | list[str] = ("unet", "vae", "text_encoder", "tokenizer"),
-    prediction_type: str = "epsilon",
+    prediction_type: str | None = None,
     offset_noise: float = 0.0,
     min_snr_gamma: float | None = None,
     zero_terminal_snr: bool = False,
@@ -71,6 +71,7 @@ def build_model(
     pretrained: a diffusers-format folder (or hub id) to load `pretrained_components` from; the
         others keep the preset's random initialisation. The seed recipe loads the VAE and text
         encoder and trains the UNet from scratch: pretrained_components=[vae, text_encoder, tokenizer].
+    prediction_type: "epsilon" or "v_prediction"; default: the preset's (sd2-768-v: v), else epsilon.
     zero_terminal_snr: rescale the betas so the last timestep is pure noise (Lin et al. 2023);
         needs v-prediction, since epsilon is not learnable at zero SNR.
     attention: "sdpa" (torch scaled_dot_product_attention, diffusers' default on torch 2) or
@@ -83,6 +84,9 @@ def build_model(
         the ones recomputed in the backward pass under FSDP (None, "blocks", "layers"); see
         models/sharding.py.
     """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    prediction_type = prediction_type or PRESETS[preset].get("prediction_type", "epsilon")
     unknown = set(pretrained_components) - set(COMPONENTS)
     if unknown:
         raise ValueError(
@@ -99,7 +103,7 @@ def build_model(
             raise ValueError(f"{key}={value!r}; choose one of {GRANULARITIES}")
 
     parts = build_components(preset)
-    parts["tokenizer"] = build_tokenizer()
+    parts["tokenizer"] = build_tokenizer(pad_token=PRESETS[preset].get("pad_token", "!"))
     if pretrained is not None:
         _check_source(pretrained)
         for name in pretrained_components:

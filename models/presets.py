@@ -1,8 +1,12 @@
 """Model presets: a plain dict from name to the component configs.
 
 `sd2-base` is the published Stable Diffusion 2 base architecture (the diffusers configs of
-stabilityai/stable-diffusion-2-base); `tiny` keeps the same structure at toy size so the recipe runs
-on a CPU in seconds. Weights are random: these build architectures, not checkpoints.
+stabilityai/stable-diffusion-2-base); `sd2-768-v` is stabilityai/stable-diffusion-2 (the same
+networks, 768 px, v-prediction); `sd15` is runwayml/stable-diffusion-v1-5 (CLIP ViT-L/14 text
+encoder, 8 attention heads, 768-wide cross-attention); `tiny` keeps SD2's structure at toy size so
+the recipe runs on a CPU in seconds. Weights are random: these build architectures, not
+checkpoints. Besides the component configs a preset may set the `prediction_type` its published
+weights use and the tokenizer's `pad_token` (SD2 pads with "!", SD1 with "<|endoftext|>").
 """
 
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
@@ -58,6 +62,38 @@ PRESETS = {
         scheduler=SD2_SCHEDULER,
         latent_scale=0.18215,  # scaling_factor of SD2's VAE
     ),
+    # stabilityai/stable-diffusion-2: sd2-base's networks trained at 768 px (96x96 latents) to
+    # predict v.
+    "sd2-768-v": None,  # filled in below
+    # runwayml/stable-diffusion-v1-5 (unet/, text_encoder/ config.json).
+    "sd15": dict(
+        unet=dict(
+            sample_size=64,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=2,
+            block_out_channels=(320, 640, 1280, 1280),
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            attention_head_dim=8,
+            cross_attention_dim=768,
+        ),
+        vae=None,  # SD2's VAE, filled in below
+        # OpenAI CLIP ViT-L/14's text tower, all 12 layers (SD1 conditions on the last one).
+        text_encoder=dict(
+            vocab_size=49408,
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            max_position_embeddings=77,
+            hidden_act="quick_gelu",
+            projection_dim=768,
+        ),
+        scheduler=SD2_SCHEDULER,  # SD1's schedule is the same scaled-linear 0.00085..0.012
+        latent_scale=0.18215,
+        pad_token="<|endoftext|>",
+    ),
     "tiny": dict(
         unet=dict(
             sample_size=8,
@@ -97,6 +133,13 @@ PRESETS = {
         latent_scale=0.18215,
     ),
 }
+
+PRESETS["sd2-768-v"] = dict(
+    PRESETS["sd2-base"],
+    unet=dict(PRESETS["sd2-base"]["unet"], sample_size=96),
+    prediction_type="v_prediction",
+)
+PRESETS["sd15"]["vae"] = PRESETS["sd2-base"]["vae"]
 
 
 def build_components(preset: str) -> dict:

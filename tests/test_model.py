@@ -25,6 +25,26 @@ def test_sd2_base_matches_the_published_architecture():
     assert config.num_train_timesteps == 1000
 
 
+@pytest.mark.parametrize(
+    "preset, unet, text_encoder, prediction, pad",
+    [
+        ("sd15", 859_520_964, 123_060_480, "epsilon", "<|endoftext|>"),  # runwayml/stable-diffusion-v1-5
+        ("sd2-768-v", 865_910_724, 340_387_840, "v_prediction", "!"),  # stabilityai/stable-diffusion-2
+    ],
+)
+def test_other_published_architectures(preset, unet, text_encoder, prediction, pad):
+    from transformers.integrations.accelerate import init_empty_weights
+
+    with init_empty_weights():  # parameters on the meta device: no memory, no init time
+        model = build_model(preset)
+    assert count(model.unet) == unet and count(model.text_encoder) == text_encoder
+    assert count(model.vae) == 83_653_863  # SD1 and SD2 share the VAE architecture
+    assert model.prediction_type == prediction and model.tokenizer.pad_token == pad
+    assert model.noise_scheduler.config.prediction_type == prediction
+    size = {"sd15": 512, "sd2-768-v": 768}[preset]
+    assert model.unet.config.sample_size * model.vae_scale_factor == size
+
+
 def count(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
