@@ -59,11 +59,47 @@ def model_state(state: dict) -> dict[str, torch.Tensor]:
 
 def ema_state(state: dict) -> dict[str, torch.Tensor] | None:
     """name -> averaged tensor of the EMA algorithm, or None when the checkpoint has no average
-    (no EMA algorithm, or saved before its `ema_start`)."""
+    (no EMA algorithm, or saved before its `ema_start`). Reads recipes.ema.EMA's state and
+    composer.algorithms.EMA's; an EMA state of any other shape is an error, never the raw weights."""
     for name, algorithm_state in state.get("algorithms") or []:
-        if name == "EMA":
-            return algorithm_state.get("ema")
+        if name != "EMA":
+            continue
+        if "ema" in algorithm_state:  # recipes.ema.EMA
+            return algorithm_state["ema"]
+        if "ema_model" in algorithm_state:
+            return _composer_ema(algorithm_state, state)[0]
+        raise ValueError(
+            f"the checkpoint's EMA state has keys {sorted(algorithm_state)}, which neither recipes.ema.EMA "
+            "nor composer.algorithms.EMA writes; export the raw weights with --raw"
+        )
     return None
+
+
+def _composer_ema(algorithm_state: dict, state: dict) -> tuple[dict | None, dict | None]:
+    """(average, raw trainable weights) of composer.algorithms.EMA, (None, None) before it started.
+
+    Composer swaps the average into the model for every checkpoint it saves (`ema_weights_active`),
+    so the model's tensors are then the average and its `ema_model` holds the raw weights."""
+    if not algorithm_state.get("ema_started"):
+        return None, None
+    stored = {
+        k.removeprefix("module."): v for k, v in algorithm_state["ema_model"]["named_parameters_dict"].items()
+    }
+    if not algorithm_state.get("ema_weights_active"):
+        return stored, None
+    weights = model_state(state)
+    return {k: weights[k] for k in stored if k in weights}, stored
+
+
+def raw_state(state: dict) -> dict[str, torch.Tensor]:
+    """The raw training weights: the model's, except where composer.algorithms.EMA had swapped its
+    average in for the save."""
+    weights = model_state(state)
+    for name, algorithm_state in state.get("algorithms") or []:
+        if name == "EMA" and "ema_model" in algorithm_state:
+            raw = _composer_ema(algorithm_state, state)[1]
+            weights.update(raw or {})
+    return weights
 
 
 @functools.cache
@@ -119,7 +155,7 @@ def load_model_from_checkpoint(
         predicts (epsilon when None).
     """
     state = read_checkpoint(path)
-    weights = model_state(state)
+    weights = raw_state(state)
     averaged = ema_state(state)
     if ema and averaged is None:
         raise ValueError(

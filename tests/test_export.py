@@ -118,3 +118,36 @@ def test_sd2_base_is_inferred_from_its_shapes():
     shapes = export._preset_shapes("sd2-base")  # meta-device shapes: no 5 GB of weights in the test
     weights = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
     assert export.infer_preset(weights) == "sd2-base"
+
+
+def test_a_composer_ema_checkpoint_exports_its_average(shapes_mds, tmp_path):
+    """composer.algorithms.EMA swaps its average into the model for every save and keeps the raw
+    weights in its own state: export must take the average by default and the raw ones with --raw."""
+    from recipes import build_trainer, load_config
+    from tests.conftest import REPO, tiny_run
+
+    overrides = [
+        *tiny_run(shapes_mds, 3),
+        f"trainer.save_folder={tmp_path}",
+        "trainer.save_filename=ckpt.pt",
+        "algorithms.ema._target_=composer.algorithms.EMA",
+        "algorithms.ema.half_life=2ba",
+    ]
+    trainer = build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", overrides))
+    trainer.fit()
+    trainer.close()
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=False)["state"]
+    (name, ema), *_ = state["algorithms"]
+    assert name == "EMA" and ema["ema_weights_active"] and ema["ema_started"]  # what Composer writes
+    average = {k: v for k, v in state["model"].items() if k.startswith("unet.")}
+    raw = ema["ema_model"]["named_parameters_dict"]
+    assert average.keys() == raw.keys() and any(not torch.equal(average[k], raw[k]) for k in raw)
+
+    for flag, expected in ((None, average), (True, average), (False, raw)):
+        unet = load_model_from_checkpoint(tmp_path / "ckpt.pt", ema=flag).unet.state_dict()
+        assert all(torch.equal(v, expected[f"unet.{k}"]) for k, v in unet.items()), flag
+
+    state["algorithms"] = [("EMA", {"shadow": {}})]  # an EMA this code does not know
+    torch.save({"state": state}, tmp_path / "unknown.pt")
+    with pytest.raises(ValueError, match=r"EMA state has keys \['shadow'\].*--raw"):
+        load_model_from_checkpoint(tmp_path / "unknown.pt")
