@@ -86,15 +86,10 @@ def build_model(
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
-    prediction_type = prediction_type or PRESETS[preset].get("prediction_type", "epsilon")
     unknown = set(pretrained_components) - set(COMPONENTS)
     if unknown:
         raise ValueError(
             f"pretrained_components: unknown {sorted(unknown)}; choose from {sorted(COMPONENTS)}"
-        )
-    if zero_terminal_snr and prediction_type != "v_prediction":
-        raise ValueError(
-            "zero_terminal_snr needs prediction_type=v_prediction (epsilon is undefined at SNR 0)"
         )
     if attention not in ("sdpa", "math"):
         raise ValueError(f"attention={attention!r}; choose 'sdpa' or 'math'")
@@ -102,8 +97,11 @@ def build_model(
         if value is not None and value not in GRANULARITIES:
             raise ValueError(f"{key}={value!r}; choose one of {GRANULARITIES}")
 
-    parts = build_components(preset)
-    parts["tokenizer"] = build_tokenizer(pad_token=PRESETS[preset].get("pad_token", "!"))
+    # Components about to be loaded are not built (a random sd2 UNet takes seconds and 3.5 GB).
+    loaded = [("noise_scheduler" if name == "scheduler" else name) for name in pretrained_components]
+    parts = build_components(preset, skip=loaded if pretrained is not None else ())
+    if pretrained is None or "tokenizer" not in pretrained_components:
+        parts["tokenizer"] = build_tokenizer(pad_token=PRESETS[preset].get("pad_token", "!"))
     if pretrained is not None:
         _check_source(pretrained)
         for name in pretrained_components:
@@ -112,6 +110,13 @@ def build_model(
             log.info("loaded %s from %s", name, pretrained)
         if "vae" in pretrained_components:  # the latent scale belongs to the VAE it was measured on
             parts["latent_scale"] = parts["vae"].config.scaling_factor
+        if "scheduler" in pretrained_components and prediction_type is None:  # e.g. SD2-768's v
+            prediction_type = parts["noise_scheduler"].config.get("prediction_type", "epsilon")
+    prediction_type = prediction_type or PRESETS[preset].get("prediction_type", "epsilon")
+    if zero_terminal_snr and prediction_type != "v_prediction":
+        raise ValueError(
+            "zero_terminal_snr needs prediction_type=v_prediction (epsilon is undefined at SNR 0)"
+        )
     if zero_terminal_snr:
         # Lin et al. 2023: rescaled betas (the last step is pure noise) and samplers that start at
         # that last step ("trailing" spacing); their guidance rescale is generate()'s option.

@@ -142,15 +142,17 @@ PRESETS["sd2-768-v"] = dict(
 PRESETS["sd15"]["vae"] = PRESETS["sd2-base"]["vae"]
 
 
-def build_components(preset: str) -> dict:
-    """UNet, VAE, text encoder and DDPM scheduler of a preset, with random weights."""
+def build_components(preset: str, skip: tuple[str, ...] | list[str] = ()) -> dict:
+    """UNet, VAE, text encoder and DDPM scheduler of a preset, with random weights; the components
+    named in `skip` (e.g. those about to be loaded from a pretrained folder) are left out."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     spec = PRESETS[preset]
-    return dict(
-        unet=UNet2DConditionModel(**spec["unet"]),
-        vae=AutoencoderKL(**spec["vae"]),
-        text_encoder=CLIPTextModel(CLIPTextConfig(**spec["text_encoder"])),
-        noise_scheduler=DDPMScheduler.from_config(spec["scheduler"]),
-        latent_scale=spec["latent_scale"],
+    builders = dict(
+        unet=lambda: UNet2DConditionModel(**spec["unet"]),
+        vae=lambda: AutoencoderKL(**spec["vae"]),
+        text_encoder=lambda: CLIPTextModel(CLIPTextConfig(**spec["text_encoder"])),
+        noise_scheduler=lambda: DDPMScheduler.from_config(spec["scheduler"]),
     )
+    parts = {name: build() for name, build in builders.items() if name not in skip}
+    return {**parts, "latent_scale": spec["latent_scale"]}
