@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from data.image_caption import ImageCaptionDataset
 from models import build_model
+from models.record import ModelRecord, describe
 from recipes import ConfigError, build_trainer, load_config, parse_config
 from recipes.callbacks import NaNGuard
 from recipes.samples import SampleGrids
@@ -151,7 +152,9 @@ def test_sd2_base_wiring_trains_on_the_tiny_preset(shapes_mds, tmp_path):
         ("GradientClipping", "norm", 1.0)
     ]
     callbacks = kwargs["callbacks"]
-    assert [type(c) for c in callbacks] == [SpeedMonitor, LRMonitor, MemoryMonitor, NaNGuard, SampleGrids]
+    expected = [SpeedMonitor, LRMonitor, MemoryMonitor, NaNGuard, SampleGrids, ModelRecord]
+    assert [type(c) for c in callbacks] == expected
+    assert callbacks[5].state_dict()["unet"] == describe(kwargs["model"])["unet"]  # in every checkpoint
     grids = callbacks[4]
     assert (len(grids.prompts), grids.per_prompt, grids.guidance, grids.steps) == (4, 4, [3.0, 7.5], 25)
     assert callbacks[0].history_samples.maxlen == 10 + 1  # window_size 10
