@@ -10,6 +10,7 @@ from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from diffusers.models.attention_processor import AttnProcessor
 from transformers import CLIPTextModel, CLIPTokenizer
 
+from models.lora import add_lora, check_lora_options, drop_frozen_weights
 from models.presets import PRESETS, build_components
 from models.sharding import GRANULARITIES
 from models.sharding import configure as configure_sharding
@@ -65,6 +66,7 @@ def build_model(
     compile_unet: bool | dict = False,
     fsdp_wrap: str = "blocks",
     activation_checkpointing: str | None = None,
+    lora: dict | None = None,
 ) -> StableDiffusion:
     """The ComposerModel for `preset` (a name in models.presets.PRESETS).
 
@@ -83,6 +85,8 @@ def build_model(
     fsdp_wrap, activation_checkpointing: the UNet's FSDP units ("unet", "blocks", "layers") and
         the ones recomputed in the backward pass under FSDP (None, "blocks", "layers"); see
         models/sharding.py.
+    lora: {rank, alpha, target_modules, dropout} trains a peft LoRA adapter instead of the UNet
+        (models/lora.py); needs every network from `pretrained`, and checkpoints hold the adapter only.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -96,6 +100,9 @@ def build_model(
     for key, value in (("fsdp_wrap", fsdp_wrap), ("activation_checkpointing", activation_checkpointing)):
         if value is not None and value not in GRANULARITIES:
             raise ValueError(f"{key}={value!r}; choose one of {GRANULARITIES}")
+
+    if lora is not None:
+        lora = check_lora_options(lora, pretrained, pretrained_components)
 
     # Components about to be loaded are not built (a random sd2 UNet takes seconds and 3.5 GB).
     loaded = [("noise_scheduler" if name == "scheduler" else name) for name in pretrained_components]
@@ -125,6 +132,8 @@ def build_model(
         )
 
     unet = parts["unet"]
+    if lora is not None:
+        add_lora(unet, **lora)
     if attention == "math":
         unet.set_attn_processor(AttnProcessor())
     if gradient_checkpointing:
@@ -151,7 +160,13 @@ def build_model(
         caption_drop_prob=caption_drop_prob,
         **parts,
     )
+    if lora is not None:
+        model.register_state_dict_post_hook(drop_frozen_weights)
     # For the checkpoint's model record (models/record.py).
     model.preset = preset
     model.tokenizer_source = pretrained if pretrained and "tokenizer" in pretrained_components else None
+    model.pretrained = (
+        {"source": pretrained, "components": list(pretrained_components)} if pretrained else None
+    )
+    model.lora = lora
     return model

@@ -22,6 +22,7 @@ import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 from transformers.integrations.accelerate import init_empty_weights
 
+from models.lora import merge_lora, save_lora
 from models.presets import PRESETS, build_components
 from models.record import read_record, rebuild
 from models.stable_diffusion import StableDiffusion
@@ -184,6 +185,8 @@ def load_model_from_checkpoint(
                 raise ValueError(
                     f"{flag} {given} contradicts the checkpoint, which records {key}={record[key]!r}"
                 )
+        if record.get("lora"):
+            return _lora_model(path, record, weights)
         with init_empty_weights():
             parts = rebuild(record)
         log.info(
@@ -216,6 +219,35 @@ def load_model_from_checkpoint(
     return model.eval()
 
 
+def _lora_model(path, record: dict, weights: dict) -> StableDiffusion:
+    """A LoRA checkpoint holds the adapter only: the base comes from the folder the run loaded."""
+    from models.build import _HUB_ID, build_model
+
+    source = record["pretrained"]["source"]
+    if not Path(source).expanduser().exists() and not _HUB_ID.match(source):
+        raise FileNotFoundError(
+            f"{path} is a LoRA checkpoint: it holds the adapter only, and its base model {source} "
+            "(the run's model.pretrained) is not there"
+        )
+    model = build_model(
+        record["preset"],
+        pretrained=source,
+        pretrained_components=record["pretrained"]["components"],
+        prediction_type=record["prediction_type"],
+        zero_terminal_snr=record["zero_terminal_snr"],
+        lora=record["lora"],
+    )
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trainable & set(missing):
+        raise ValueError(
+            f"{path}: the adapter does not fit its record ({len(unexpected)} unexpected tensors, "
+            f"{len(trainable & set(missing))} adapter tensors missing)"
+        )
+    log.info("%s: LoRA adapter (rank %d) on the base model %s", path, record["lora"]["rank"], source)
+    return model.eval()
+
+
 def export_pipeline(model: StableDiffusion, out_dir: str | Path) -> Path:
     """Write `model` as a diffusers StableDiffusionPipeline folder (safetensors weights)."""
     out_dir = Path(out_dir)
@@ -243,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("checkpoint", help="a Composer checkpoint file (e.g. ep0-ba200-rank0.pt)")
     parser.add_argument("out_dir", help="folder to write the diffusers pipeline to")
     add_weight_args(parser)
+    lora = parser.add_mutually_exclusive_group()
+    lora.add_argument("--lora", action="store_true", help="LoRA run: write diffusers' LoRA file only")
+    lora.add_argument("--merge-lora", action="store_true", help="LoRA run: a full pipeline, adapter merged")
     return parser.parse_args(argv)
 
 
@@ -272,6 +307,22 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model_from_checkpoint(
         args.checkpoint, args.ema, preset=args.preset, prediction_type=args.prediction_type
     )
+    if getattr(model, "lora", None) is None:
+        if args.lora or args.merge_lora:
+            raise ValueError(
+                f"{args.checkpoint} is not a LoRA checkpoint; export it without --lora/--merge-lora"
+            )
+    elif args.lora:
+        out_dir = save_lora(model.unet, args.out_dir)
+        print(f"LoRA weights: {out_dir.resolve()} (StableDiffusionPipeline.load_lora_weights loads it)")
+        return
+    elif args.merge_lora:
+        merge_lora(model.unet)
+    else:
+        raise ValueError(
+            f"{args.checkpoint} is a LoRA checkpoint: --lora writes the adapter file, --merge-lora a full "
+            "pipeline with the adapter merged"
+        )
     out_dir = export_pipeline(model, args.out_dir)
     print(f"pipeline: {out_dir.resolve()}")
 

@@ -47,6 +47,10 @@ def describe(model) -> dict:
         "prediction_type": model.prediction_type,
         "zero_terminal_snr": bool(scheduler.get("rescale_betas_zero_snr", False)),
         "latent_scale": float(model.latent_scale),
+        # Where the pretrained components came from; a LoRA checkpoint needs them back (its weights
+        # are the adapter only).
+        "pretrained": getattr(model, "pretrained", None),
+        "lora": getattr(model, "lora", None),
     }
 
 

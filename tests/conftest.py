@@ -130,3 +130,30 @@ def reference_run(shapes_mds, tmp_path_factory):
         return shared_folder(tmp_path_factory, f"reference-{nproc}proc", lambda out: build(out, nproc))
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory):
+    """(folder, weights): a small SD pipeline written with diffusers' own save_pretrained (random tiny
+    weights, a v-prediction schedule, so the objective visibly comes from the folder), and its UNet,
+    VAE and text encoder state dicts. Per test process; read it, never write it."""
+    import torch
+    from diffusers import DDPMScheduler, StableDiffusionPipeline
+
+    from models import build_model
+
+    torch.manual_seed(1)
+    model = build_model("tiny")
+    pipe = StableDiffusionPipeline(
+        vae=model.vae,
+        text_encoder=model.text_encoder,
+        tokenizer=model.tokenizer,
+        unet=model.unet,
+        scheduler=DDPMScheduler.from_config(model.noise_scheduler.config, prediction_type="v_prediction"),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    folder = tmp_path_factory.mktemp("pipeline")
+    pipe.save_pretrained(folder)
+    return folder, {name: getattr(model, name).state_dict() for name in ("unet", "vae", "text_encoder")}

@@ -1,42 +1,19 @@
 """yamls/sd2-finetune.yaml from a diffusers pipeline folder: every component is the folder's, only
 the UNet trains, and the export loads in diffusers."""
 
-import pytest
 import torch
-from diffusers import DDPMScheduler, StableDiffusionPipeline
+from diffusers import StableDiffusionPipeline
 
-from models import build_model
 from recipes import build_trainer, load_config
 from tests.conftest import REPO
-
-
-@pytest.fixture(scope="module")
-def pipeline_folder(tmp_path_factory):
-    """A small SD pipeline written with diffusers' own save_pretrained (random tiny weights, a
-    v-prediction schedule, so the objective visibly comes from the folder)."""
-    torch.manual_seed(1)
-    model = build_model("tiny")
-    pipe = StableDiffusionPipeline(
-        vae=model.vae,
-        text_encoder=model.text_encoder,
-        tokenizer=model.tokenizer,
-        unet=model.unet,
-        scheduler=DDPMScheduler.from_config(model.noise_scheduler.config, prediction_type="v_prediction"),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    folder = tmp_path_factory.mktemp("pipeline")
-    pipe.save_pretrained(folder)
-    return folder, {name: getattr(model, name).state_dict() for name in ("unet", "vae", "text_encoder")}
 
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_finetune_starts_from_the_folder_and_trains_only_the_unet(pipeline_folder, shapes_mds, tmp_path):
-    folder, original = pipeline_folder
+def test_finetune_starts_from_the_folder_and_trains_only_the_unet(tiny_pipeline, shapes_mds, tmp_path):
+    folder, original = tiny_pipeline
     overrides = [
         f"model.pretrained={folder}",
         "model.preset=tiny",

@@ -35,6 +35,7 @@ REQUIRED = {
         "trainer.load_path=/ckpt/latest-rank0.pt",
     ],
     "sd2-finetune": ["data.train.local=/data/mds", "model.pretrained=/models/sd2", "trainer.save_folder=/ft"],
+    "sd2-lora": ["data.train.local=/data/mds", "model.pretrained=/models/sd2", "trainer.save_folder=/lora"],
     "tiny-cpu": [],
     "tiny-vae": [],
 }
