@@ -60,12 +60,15 @@ def read_key_log(path: str | Path) -> dict[int, list[str]]:
 
 
 class PoisonBatch(Callback):
-    """Fills batch `batch`'s images with `value` (NaN by default), so its loss is not finite."""
+    """Fills batch `batch`'s images with `value` (NaN by default), so its loss is not finite; with
+    `rank`, on that rank only."""
 
-    def __init__(self, batch: int, value: float = float("nan")):
-        self.batch, self.value = batch, value
+    def __init__(self, batch: int, value: float = float("nan"), rank: int | None = None):
+        self.batch, self.value, self.rank = batch, value, rank
 
     def after_dataloader(self, state: State, logger: Logger) -> None:
+        if self.rank is not None and dist.get_global_rank() != self.rank:
+            return
         if int(state.timestamp.batch) + 1 == self.batch:
             state.batch["image"].fill_(self.value)
 

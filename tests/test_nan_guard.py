@@ -158,3 +158,35 @@ def test_save_last_good_false_saves_nothing(monkeypatch, tmp_path):
     with pytest.raises(NonFiniteLossError, match="^loss is not finite at batch 7$"):
         _batch(NaNGuard(save_last_good=False), torch.tensor(float("nan")), saver=CheckpointSaver())
     assert not list(tmp_path.iterdir())
+
+
+def test_a_nan_on_one_rank_stops_every_rank_together(shapes_mds, tmp_path):
+    """Under `composer -n 2` only rank 1's batch is poisoned: both ranks stop at that batch (the
+    guard's one all-reduce per batch), the last good state is saved, and nothing hangs."""
+    from tests.resume_check import COMPOSER, run, train_env
+
+    bad = 3
+    cmd = [
+        COMPOSER,
+        "-n",
+        "2",
+        str(REPO / "train.py"),
+        str(REPO / "yamls/tiny-cpu.yaml"),
+        f"data.train.local={shapes_mds / 'mds'}",
+        "~data.train.prepare",
+        "model.pretrained=null",
+        "global_train_batch_size=16",
+        "+trainer.device_train_microbatch_size=4",  # two microbatches per rank
+        f"trainer.max_duration={BATCHES}ba",
+        f"trainer.save_folder={tmp_path}",
+        "trainer.save_interval=1000ba",
+        "callbacks.samples=null",
+        "trainer.progress_bar=false",
+        f"+callbacks.poison={{_target_: tests.probes.PoisonBatch, batch: {bad}, rank: 1}}",
+    ]
+    result = run(cmd, REPO, train_env(), timeout=300)
+    logs = result.stdout + result.stderr
+    assert result.returncode != 0, logs[-3000:]
+    assert logs.count(f"loss is not finite at batch {bad}") >= 2, logs[-3000:]  # one per rank
+    saved = torch.load(tmp_path / f"last-good-ba{bad - 1}-rank0.pt", weights_only=False)["state"]
+    assert saved["timestamp"]["Timestamp"]["batch"] == bad - 1 and _finite(saved["model"])
