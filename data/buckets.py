@@ -11,11 +11,7 @@ no square crops, no padding. At 256 px: ar1 -> 256x256, ar0.75 -> 320x192, ar1.3
 import math
 import re
 
-import torch
-from PIL import Image
-from torchvision.transforms import functional as F
-
-from data.image_caption import image_transform
+from data.image_caption import cover_crop  # noqa: F401 - the bucket transform lives with the square one
 
 _LABEL = re.compile(r"^ar(\d+(?:\.\d+)?)$")
 
@@ -53,16 +49,3 @@ def check_size(name: str, size, multiple: int) -> tuple[int, int]:
             f"the UNet's), e.g. {list(nearest)}"
         )
     return tuple(size)
-
-
-def cover_crop(image: Image.Image, height: int, width: int) -> torch.Tensor:
-    """PIL RGB -> (3, height, width) in [-1, 1]: resize to cover, then center crop. For a square size
-    this is exactly `image_transform(height)` (shorter side resized, center crop)."""
-    if height == width:
-        return image_transform(height)(image)
-    scale = max(height / image.height, width / image.width)
-    resized = F.resize(
-        image, [max(height, round(image.height * scale)), max(width, round(image.width * scale))]
-    )
-    pixels = F.to_tensor(F.center_crop(resized, [height, width]))
-    return F.normalize(pixels, [0.5], [0.5])

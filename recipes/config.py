@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
-from data.image_caption import EvalDataConfig, ImageCaptionDataConfig
+from data.loader import EvalDataConfig, ImageCaptionDataConfig
 
 
 class ConfigError(ValueError):
@@ -128,7 +128,10 @@ def _build(cls, raw: Any, path: str):
                 raise ConfigError(f"required config key '{where}' is missing")
             continue
         kwargs[f.name] = _coerce(hints[f.name], raw[f.name], where)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:  # a section's own checks (data.*: data/streams.py), which start with the key
+        raise ConfigError(f"{path}.{err}" if path else str(err)) from err
 
 
 def _coerce(hint, value, where: str):

@@ -16,8 +16,9 @@ from composer.utils import dist, reproducibility
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from data.image_caption import build_image_caption_dataloader
-from models import StableDiffusion, build
+from data.buckets import size_multiple
+from data.loader import build_image_caption_dataloader
+from models import PRESETS, StableDiffusion, build
 from models.record import ModelRecord, describe
 from recipes.callbacks import IsolateEvalRng, RestoreRngOnResume
 from recipes.checkpointing import install_atomic_checkpoint_writes
@@ -47,7 +48,7 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     for split, data_cfg in (("train", run.data.train), ("eval", run.data.eval)):
         try:
             if data_cfg is not None:
-                ensure_dataset(data_cfg)
+                ensure_dataset(data_cfg, _size_multiple(run.model["preset"]))
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"data.{split}: {err}") from err
     if run.prepare_pretrained is not None:
@@ -74,6 +75,12 @@ def _flat(params: dict, prefix: str = "") -> dict:
     return flat
 
 
+def _size_multiple(preset: str) -> int:
+    """What image sizes must be multiples of for this preset (aspect-ratio buckets)."""
+    spec = PRESETS[preset.removesuffix("-vae")]
+    return size_multiple(spec["vae"]["block_out_channels"], spec["unet"]["block_out_channels"])
+
+
 def _plan(run: RunConfig, world_size: int):
     return plan_batches(
         run.global_train_batch_size, world_size, run.trainer.get("device_train_microbatch_size")
@@ -91,10 +98,13 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
     plan = _plan(run, world_size)
     batch_size = plan.per_device_batch
     model = build(**run.model)
-    train_loader = build_image_caption_dataloader(run.data.train, model.tokenizer, batch_size)
+    multiple = _size_multiple(run.model["preset"])
+    train_loader = build_image_caption_dataloader(run.data.train, model.tokenizer, batch_size, multiple)
     eval_loader = None
     if run.data.eval is not None:
-        eval_loader = build_image_caption_dataloader(run.data.eval, model.tokenizer, batch_size)
+        eval_loader = build_image_caption_dataloader(
+            run.data.eval, model.tokenizer, batch_size, multiple, "eval"
+        )
         # Each new DataLoader iterator draws its workers' base seed from `generator`, else from the
         # global torch RNG; Composer starts one for every evaluation and spins the eval loader once at
         # fit start, which would shift the training's noise. (The training loader keeps the global

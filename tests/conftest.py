@@ -157,3 +157,23 @@ def tiny_pipeline(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pipeline")
     pipe.save_pretrained(folder)
     return folder, {name: getattr(model, name).state_dict() for name in ("unet", "vae", "text_encoder")}
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """Every builder in recipes.trainer fails the test if it is called."""
+    import recipes.trainer
+
+    built = []
+
+    def refuse(name):
+        def builder(*args, **kwargs):
+            built.append(name)
+            raise AssertionError(f"{name} was called before the config error was raised")
+
+        return builder
+
+    for name in ("build", "build_image_caption_dataloader", "Trainer"):  # all recipes.trainer builds
+        monkeypatch.setattr(recipes.trainer, name, refuse(name))  # raises if a name is gone
+    yield built
+    assert built == []

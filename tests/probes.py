@@ -59,6 +59,19 @@ def read_key_log(path: str | Path) -> dict[int, list[str]]:
     return {row["batch"]: row["keys"] for row in rows}
 
 
+class ShapeLog(Callback):
+    """Appends `{"batch": N, "shape": [...]}` per batch on rank 0: the shape of its images."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() == 0:
+            with self.path.open("a") as f:
+                shape = list(state.batch["image"].shape)
+                f.write(json.dumps({"batch": int(state.timestamp.batch) + 1, "shape": shape}) + "\n")
+
+
 class PoisonBatch(Callback):
     """Fills batch `batch`'s images with `value` (NaN by default), so its loss is not finite; with
     `rank`, on that rank only."""

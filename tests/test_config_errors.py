@@ -5,29 +5,10 @@ import pytest
 import torch
 from composer.utils import dist
 
-import recipes.trainer
 from recipes import ConfigError, build_trainer, load_config
 from tests.conftest import REPO
 
 TINY = REPO / "yamls" / "tiny-cpu.yaml"
-
-
-@pytest.fixture
-def nothing_built(monkeypatch):
-    """Every builder in recipes.trainer fails the test if it is called."""
-    built = []
-
-    def refuse(name):
-        def builder(*args, **kwargs):
-            built.append(name)
-            raise AssertionError(f"{name} was called before the config error was raised")
-
-        return builder
-
-    for name in ("build", "build_image_caption_dataloader", "Trainer"):  # all recipes.trainer builds
-        monkeypatch.setattr(recipes.trainer, name, refuse(name))  # raises if a name is gone
-    yield built
-    assert built == []
 
 
 def _fails(overrides, shapes_mds, match):

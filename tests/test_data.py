@@ -3,7 +3,8 @@ import torch
 from PIL import Image
 from streaming import StreamingDataset
 
-from data.image_caption import ImageCaptionDataConfig, ImageCaptionDataset, build_image_caption_dataloader
+from data.image_caption import ImageCaptionDataset
+from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader
 from models.tokenizer import build_tokenizer, tokenize
 
 
