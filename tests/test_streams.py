@@ -164,14 +164,27 @@ def _shapes(save) -> list:
     return [tuple(json.loads(line)["shape"]) for line in (save / "shapes.jsonl").read_text().splitlines()]
 
 
-def test_buckets_train_at_their_own_sizes_in_proportion_and_resume_exactly(bucketed_mds, tmp_path):
-    bucketed = [
-        f"data.train.local={bucketed_mds}",
+def _bucketed(mds) -> list[str]:
+    return [
+        f"data.train.local={mds}",
         "+data.train.buckets=true",
         "data.train.batching_method=per_stream",
+        "data.train.num_canonical_nodes=2",  # the same global order on 1 and 2 processes
     ]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    _train(straight, 6, *bucketed)  # one epoch: 48 samples, 6 batches
+
+
+@pytest.fixture(scope="module")
+def straight_bucketed_run(bucketed_mds, tmp_path_factory) -> Path:
+    straight = tmp_path_factory.mktemp("straight")
+    _train(straight, 6, *_bucketed(bucketed_mds))  # one epoch: 48 samples, 6 batches
+    return straight
+
+
+def test_buckets_train_at_their_own_sizes_in_proportion_and_resume_exactly(
+    bucketed_mds, straight_bucketed_run, tmp_path
+):
+    bucketed = _bucketed(bucketed_mds)
+    straight, resumed = straight_bucketed_run, tmp_path / "resumed"
     shapes = _shapes(straight)
     # Every batch is one bucket at its size ((height, width), multiples of 8 around 32x32 pixels) ...
     assert set(shapes) == {(8, 3, 40, 24), (8, 3, 32, 32), (8, 3, 24, 40)}
@@ -197,3 +210,23 @@ def test_two_streams_are_drawn_in_their_proportions(shapes_mds, bucketed_mds, tm
     assert len(keys) == 112
     from_bucketed = sum(k.startswith("ar") for k in keys)
     assert (len(keys) - from_bucketed, from_bucketed) == (28, 84)
+
+
+def test_two_processes_see_the_same_bucketed_batches_as_one(bucketed_mds, straight_bucketed_run, tmp_path):
+    from tests.resume_check import COMPOSER, run, train_env
+
+    overrides = _overrides(
+        "global_train_batch_size=8",
+        "trainer.max_duration=6ba",
+        f"trainer.save_folder={tmp_path / 'ckpt'}",
+        "data.train.hflip=false",
+        f"+callbacks.keys={{_target_: tests.probes.KeyLog, path: {tmp_path / 'keys.jsonl'}}}",
+        *_bucketed(bucketed_mds),
+    )
+    cmd = [COMPOSER, "-n", "2", str(REPO / "train.py"), str(REPO / "yamls/tiny-cpu.yaml"), *overrides]
+    result = run(cmd, REPO, train_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one = read_key_log(straight_bucketed_run / "keys.jsonl")
+    two = read_key_log(tmp_path / "keys.jsonl")
+    assert sorted(one) == sorted(two) == list(range(1, 7))
+    assert [set(one[b]) for b in one] == [set(two[b]) for b in one]
