@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint = Path(sd_trainer.saved_checkpoints[-1])
 
     start = time.perf_counter()
+    # A fresh model: the previous demo's images (same checkpoint path) must not be reused.
+    shutil.rmtree(out / "metrics" / "images", ignore_errors=True)
     print("FID / KID / CLIP score on held-out shapes (tiny random extractors: compare demo runs only)")
     metrics = image_metrics.main(
         [str(checkpoint), "--data", str(heldout_shapes(out, quick["prompts"])), "--out", str(out / "metrics")]

@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--guidance", type=float, nargs="+", help="guidance scales (default 8)")
     parser.add_argument("--steps", type=int, help=f"sampling steps (default {DEFAULTS['steps']})")
     parser.add_argument("--sampler", choices=sorted(SAMPLERS), help="default ddim")
+    parser.add_argument(
+        "--guidance-rescale", type=float, help="default: 0.7 for a zero-terminal-SNR model, else 0"
+    )
     parser.add_argument("--resolution", type=int, help="pixels (default: the model's size)")
     parser.add_argument("--seed", type=int, help=f"row choice and noise (default {DEFAULTS['seed']})")
     parser.add_argument("--batch-size", type=int, default=8, help="images per forward pass per process")
@@ -133,6 +136,17 @@ class SettingsChanged(ValueError):
     """DIR already holds images made with other settings."""
 
 
+def source_version(source: str) -> str:
+    """Size and modification time of the weights: a checkpoint rewritten at the same path (a new
+    training run) is another source, whose images must not be reused."""
+    path = Path(source)
+    if path.is_dir():
+        weights = sorted((path / "unet").glob("*.safetensors")) or [path / "model_index.json"]
+        path = weights[0]
+    stat = path.stat()
+    return f"{stat.st_size} bytes, mtime {stat.st_mtime_ns}"
+
+
 def check_settings(folder: Path, settings: dict) -> None:
     """Images in `folder` are reused only if they were made with the same settings."""
     path = folder / "settings.json"
@@ -163,6 +177,7 @@ def batch_features(args, model, inception, clip, dataset, rows, guidance, folder
             width=resolution,
             sampler=args.sampler,
             seeds=[args.seed + row for row in rows],
+            guidance_rescale=args.guidance_rescale,
         )
         images, made = to_uint8(generated), len(rows)
         for path, image in zip(paths, images, strict=True):
@@ -230,8 +245,11 @@ def evaluate(args) -> list[dict] | None:
     for guidance in args.guidance:
         folder = args.out / "images" / f"guidance-{guidance:g}"
         settings = {
-            "source": str(Path(args.source).resolve()), "ema": args.ema, "steps": args.steps,
+            "source": str(Path(args.source).resolve()), "source_version": source_version(args.source),
+            "ema": args.ema, "steps": args.steps,
             "sampler": args.sampler, "resolution": resolution, "seed": args.seed, "guidance": guidance,
+            "guidance_rescale": model.default_guidance_rescale if args.guidance_rescale is None
+            else args.guidance_rescale,
         }  # fmt: skip
         check_settings(folder, settings)
         per_batch = {}

@@ -140,3 +140,16 @@ def evaluate_counts(output: str) -> tuple[str, str]:
     match = re.search(r"images: (\d+) generated, (\d+) reused", output)
     assert match, output[-3000:]
     return match.group(1), match.group(2)
+
+
+def test_a_checkpoint_rewritten_at_the_same_path_is_another_source(tmp_path):
+    checkpoint = tmp_path / "latest-rank0.pt"
+    checkpoint.write_bytes(b"first run")
+    folder = tmp_path / "images" / "guidance-4"
+    settings = {"source": str(checkpoint), "source_version": evaluate.source_version(str(checkpoint))}
+    evaluate.check_settings(folder, settings)
+    evaluate.check_settings(folder, dict(settings))  # the same checkpoint: its images are reused
+    checkpoint.write_bytes(b"a new training run")  # e.g. the demo retrained: same path, new weights
+    changed = {**settings, "source_version": evaluate.source_version(str(checkpoint))}
+    with pytest.raises(evaluate.SettingsChanged, match="source_version differ"):
+        evaluate.check_settings(folder, changed)
