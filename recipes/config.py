@@ -99,7 +99,7 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
     for section in ("algorithms", "callbacks", "loggers"):
         for name, spec in getattr(run, section).items():
             _check_target(spec, f"{section}.{name}")
-    _check_target(run.optimizer, "optimizer")
+    _check_target(run.optimizer, "optimizer", supplied=("params",))
     if run.scheduler is not None:
         _check_target(run.scheduler, "scheduler")
     return run
@@ -183,9 +183,36 @@ def _check_trainer_keys(trainer: dict) -> None:
             raise _unknown_key("trainer", key, params - set(_TRAINER_KEYS_SET_BY_RECIPE))
 
 
-def _check_target(spec: Any, where: str) -> None:
+def _check_target(spec: Any, where: str, supplied: tuple[str, ...] = ()) -> None:
+    """`spec`'s `_target_` imports and its keyword arguments bind to its signature (nested `_target_`
+    entries too), so a misspelt optimizer or callback argument fails here, before anything is built.
+    `supplied`: arguments the recipe adds itself (an optimizer's `params`)."""
     if not isinstance(spec, dict) or "_target_" not in spec:
         raise ConfigError(f"'{where}' needs a '_target_' naming the class to build, got {spec!r}")
+    from hydra.utils import get_object
+
+    try:
+        target = get_object(spec["_target_"])
+        params = inspect.signature(target).parameters
+    except Exception as err:  # noqa: BLE001 - an unimportable target is a config error, whatever the cause
+        raise ConfigError(f"'{where}._target_': cannot import {spec['_target_']!r} ({err})") from err
+    kwargs = {k: v for k, v in spec.items() if not k.startswith("_")}  # _partial_ etc. are Hydra's
+    kinds = inspect.Parameter
+    if not any(p.kind == kinds.VAR_KEYWORD for p in params.values()):  # **kwargs takes anything
+        named = {n for n, p in params.items() if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+        for key in kwargs:
+            if key not in named:
+                raise _unknown_key(where, key, named - set(supplied))
+        missing = [
+            n
+            for n, p in params.items()
+            if n in named and p.default is kinds.empty and n not in kwargs and n not in supplied
+        ]
+        if missing and not spec.get("_partial_"):
+            raise ConfigError(f"'{where}' ({spec['_target_']}) needs {', '.join(repr(m) for m in missing)}")
+    for key, value in kwargs.items():
+        if isinstance(value, dict) and "_target_" in value:
+            _check_target(value, f"{where}.{key}")
 
 
 def check_device(trainer: dict) -> None:

@@ -37,6 +37,26 @@ def _fails(overrides, shapes_mds, match):
         (["trainer.precision=amp_bf16"], "'trainer.precision' is amp_bf16, which the CPU cannot run"),
         (["trainer.precision=amp_fp16"], "'trainer.precision' is amp_fp16, which the CPU cannot run"),
         (
+            ["optimizer.weight_decy=0.1"],
+            "unknown config key 'optimizer.weight_decy'; did you mean 'weight_decay'",
+        ),
+        (
+            ["callbacks.nan_guard.check_inff=false"],
+            "'callbacks.nan_guard.check_inff'; did you mean 'check_inf'",
+        ),
+        (
+            ["algorithms.ema.half_lfe=3"],
+            "unknown config key 'algorithms.ema.half_lfe'; did you mean 'half_life'",
+        ),
+        (
+            ["~scheduler.t_warmup"],
+            r"'scheduler' \(composer.optim.CosineAnnealingWithWarmupScheduler\) needs 't_warmup'",
+        ),
+        (
+            ["callbacks.speed_monitor._target_=composer.callbacks.SpeedMonitr"],
+            "'callbacks.speed_monitor._target_': cannot import 'composer.callbacks.SpeedMonitr'",
+        ),
+        (
             ["+trainer.device_train_microbatch_size=auto"],
             "'trainer.device_train_microbatch_size' is auto, which needs a CUDA GPU",
         ),
