@@ -202,7 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--per-caption", action="store_true", help="one row per caption instead of one per image")
     g.add_argument("--part-size", type=_positive, default=5_000, help="images per input (default 5000)")
-    lat = sub.add_parser("latents", help=SOURCES["latents"], description=LATENTS_DESCRIPTION)
+    lat = sub.add_parser(
+        "latents",
+        help=SOURCES["latents"],
+        description=LATENTS_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     lat.add_argument("--src", required=True, help="local MDS folder written by one of the sources above")
     lat.add_argument("--out", required=True, help="output folder, or s3://bucket/prefix")
     lat.add_argument(
@@ -215,14 +220,37 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. stabilityai/stable-diffusion-2-base); without it the preset's random weights are used",
     )
     lat.add_argument("--batch-size", type=_positive, default=16, help="images per forward pass (default 16)")
-    lat.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    lat.add_argument(
+        "--device",
+        help="torch device (default: with GPUs, one per process: cuda:i for the i-th; else cpu)",
+    )
+    lat.add_argument(
+        "--workers",
+        type=_positive,
+        default=1,
+        help="processes encoding inputs in parallel, per rank of composer -n (default 1)",
+    )
+    lat.add_argument(
+        "--work-dir", help="local scratch folder: S3 upload staging (default: in the system temp dir)"
+    )
+    lat.add_argument(
+        "--overwrite", action="store_true", help="redo inputs already finished, even with other options"
+    )
+    lat.add_argument("--no-progress", action="store_true", help="no progress bar")
     lat.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
 
 LATENTS_DESCRIPTION = """Run the frozen VAE and text encoder over an MDS image-caption set once and write
 latents_{R} (posterior mean + logvar, unscaled) per resolution and text_embeds, fp16. Train on them
-with data.train.latents=true; the model samples and scales the latents itself."""
+with data.train.latents=true; the model samples and scales the latents itself.
+
+Each input of the source set (<src>/[<bucket>/]NAME/) becomes the same sub-dataset under --out, with
+a completion marker: rerunning the same command skips finished inputs and redoes the others, and the
+merged index.json names finished ones only. A bucketed set keeps its buckets, each encoded at its own
+size. Several processes share the inputs, one GPU each when there are GPUs:
+  sd-convert latents --src data/laion --out s3://bucket/laion-latents --resolutions 256 --workers 8
+  composer -n 8 -m convert latents --src data/laion --out data/laion-latents --resolutions 256"""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -313,15 +341,25 @@ def main(argv=None) -> int:
 def _latents(args) -> int:
     from convert.common import ConvertError
     from convert.latents import convert_latents
+    from convert.pipeline import launched_group
+    from convert.report import summary_line
 
+    group = launched_group()  # the ranks of composer -n N / torchrun, or this process alone
     try:
         report = convert_latents(
-            args.src, args.out, args.resolutions, args.preset, args.pretrained, args.batch_size, args.device
-        )
+            args.src, args.out, args.resolutions, args.preset, args.pretrained, args.batch_size, args.device,
+            workers=args.workers, work_dir=args.work_dir, progress=not args.no_progress,
+            overwrite=args.overwrite, group=group,
+        )  # fmt: skip
     except (ConvertError, OSError, ValueError) as err:
         print(f"sd-convert: error: {err}", file=sys.stderr)
         return 1
-    print(f"{report['samples_written']} samples encoded at {args.resolutions} px -> {args.out}")
+    except KeyboardInterrupt:
+        print("sd-convert: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    finally:
+        group.close()
+    print(summary_line(report))
     return 0
 
 

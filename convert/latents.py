@@ -3,20 +3,40 @@
 Writes, per sample, `latents_{R}` for each resolution R (the VAE posterior's mean and logvar,
 unscaled, fp16: the model samples and scales them) and `text_embeds` (fp16), plus caption and key.
 Training on these skips the VAE and text encoder, about 1.4x faster for SD2 (mosaicml/diffusion).
+
+Runs on convert.pipeline like the image converters: one input per input of the source, read from
+its index.json (`<src>/[<bucket>/]NAME/`, or each shard of a flat set), written to the same place
+under --out, with completion markers, restarts and a merged index.json, locally or to S3; in
+`--workers N` processes and/or the ranks of `composer -n N`, each on its own GPU when there are any.
+A bucketed source (`sd-convert --buckets`) keeps its buckets, each encoded at its own size
+(data/buckets.py: about R^2 pixels, multiples of the VAE x UNet downsampling), so a bucket's
+`latents_{R}` is (8, h/f, w/f) for its (h, w); without buckets, R x R as training crops it.
 """
 
+import contextlib
+import dataclasses
+import hashlib
 import io
+import json
 import logging
-from collections.abc import Iterator
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
-from streaming import StreamingDataset
 
-from data.image_caption import image_transform
+from convert.common import ConvertError, Part, Skipped
+from convert.samples import bucket_label
+from data.buckets import bucket_ratio, bucket_size, cover_crop, size_multiple
 from data.latents import latents_column
+from models.presets import PRESETS
+from models.stable_diffusion import StableDiffusion
 from models.tokenizer import tokenize
 
 log = logging.getLogger(__name__)
@@ -28,30 +48,308 @@ def columns(resolutions: list[int]) -> dict[str, str]:
     return cols
 
 
-def _pixels(image_bytes: bytes, resolution: int) -> torch.Tensor:
-    return image_transform(resolution)(Image.open(io.BytesIO(image_bytes)).convert("RGB"))
+# --- the source -----------------------------------------------------------------------------------
+
+
+def source_parts(src: str | Path) -> tuple[list[Part], tuple[float, ...]]:
+    """(one Part per input of the MDS set at `src`, the aspect-ratio buckets it is sorted into).
+
+    Read from the top-level index.json, which names finished inputs only. Shard paths are
+    `[<bucket>/]NAME/shard...` as convert.pipeline writes them (NAME is the input, over all its
+    buckets), or `shard...` at the top of a set written in one piece: each such shard is an input.
+    A Part yields (bucket, row) pairs, bucket by bucket."""
+    root = Path(src).expanduser()
+    if not (root / "index.json").is_file():
+        raise ConvertError(f"--src {src}: no index.json, not an MDS dataset (convert the images first)")
+    try:
+        shards = json.loads((root / "index.json").read_text())["shards"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConvertError(f"--src {src}: unreadable index.json ({type(err).__name__}: {err})") from None
+    inputs: dict[str, dict[str, list[dict]]] = {}  # name -> bucket -> shard entries, in index order
+    for entry in shards:
+        missing = {"image", "caption"} - set(entry.get("column_names", ()))
+        if entry.get("format") != "mds" or missing:
+            raise ConvertError(
+                f"--src {src}: not an MDS image-caption set (no {sorted(missing)} columns); convert the "
+                "images with one of the other sources first"
+            )
+        path = entry["raw_data"]["basename"].split("/")
+        if len(path) == 1:
+            bucket, name = "", path[0].removesuffix(".mds")
+        elif len(path) == 2:
+            bucket, name = "", path[0]
+        elif len(path) == 3 and bucket_ratio(path[0]) is not None:
+            bucket, name = path[0], path[1]
+        else:
+            raise ConvertError(
+                f"--src {src}: shard {'/'.join(path)} is not laid out as sd-convert writes sets "
+                "([<bucket>/]<input>/shard...)"
+            )
+        inputs.setdefault(name, {}).setdefault(bucket, []).append(entry)
+    labels = sorted({bucket for by_bucket in inputs.values() for bucket in by_bucket})
+    if not inputs:
+        raise ConvertError(f"--src {src}: index.json names no shards")
+    if "" in labels and len(labels) > 1:
+        raise ConvertError(f"--src {src}: mixes bucketed ({labels[1]}/...) and unbucketed shards")
+    ratios = tuple(sorted(bucket_ratio(label) for label in labels if label))
+    for ratio, label in zip(ratios, sorted((label for label in labels if label), key=bucket_ratio)):
+        if bucket_label(ratio) != label:  # the pipeline names (and clears) bucket folders by ratio
+            raise ConvertError(f"--src {src}: bucket folder {label} is not named as sd-convert names them")
+    parts = [
+        Part(
+            name,
+            read_input,
+            (str(root), tuple((bucket, tuple(entries)) for bucket, entries in sorted(by_bucket.items()))),
+            sum(entry["samples"] for entries in by_bucket.values() for entry in entries),
+        )
+        for name, by_bucket in inputs.items()
+    ]
+    return parts, ratios
+
+
+def read_input(root: str, buckets: tuple[tuple[str, tuple[dict, ...]], ...]) -> Iterator[tuple[str, dict]]:
+    for bucket, entries in buckets:
+        for entry in entries:
+            for row in shard_rows(root, entry):
+                yield bucket, row
+
+
+def shard_rows(root: str, entry: dict) -> Iterator[dict]:
+    """The rows of one MDS shard (its index.json entry), decompressing it to a temporary file when
+    only the compressed form is there."""
+    from streaming.base.compression import decompress
+    from streaming.base.format import reader_from_json
+
+    with contextlib.ExitStack() as stack:
+        dirname = root
+        raw = entry["raw_data"]["basename"]
+        if not Path(root, raw).is_file() and entry.get("zip_data"):
+            dirname = stack.enter_context(tempfile.TemporaryDirectory(prefix="sd-convert-shard-"))
+            data = Path(root, entry["zip_data"]["basename"]).read_bytes()
+            Path(dirname, raw).parent.mkdir(parents=True, exist_ok=True)
+            Path(dirname, raw).write_bytes(decompress(entry["compression"], data))
+        reader = reader_from_json(dirname, None, entry)
+        for index in range(entry["samples"]):
+            yield reader[index]
+
+
+# --- encoding -------------------------------------------------------------------------------------
+
+
+class Encoders:
+    """The frozen VAE and text encoder without a UNet, making the model's own two calls (plain
+    functions of `self.vae` / `self.text_encoder`), so precomputed latents stay what training on the
+    images would compute."""
+
+    vae_moments = StableDiffusion.vae_moments
+    encode_text = StableDiffusion.encode_text
+
+    def __init__(self, vae, text_encoder, tokenizer):
+        self.vae, self.text_encoder, self.tokenizer = vae, text_encoder, tokenizer
+
+    def to(self, device) -> "Encoders":
+        self.vae.to(device).eval()
+        self.text_encoder.to(device).eval()
+        return self
+
+
+def load_encoders(preset: str, pretrained: str | None = None) -> Encoders:
+    """`preset`'s encoders from `pretrained`, or its random weights drawn from seed 0, so that every
+    process of a run (and every run) encodes with the same ones."""
+    from models.build import build_encoders
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Encoders(**build_encoders(preset, pretrained))
+
+
+def pixel_sizes(bucket: str, resolutions, preset: str) -> dict[int, tuple[int, int]]:
+    """(height, width) per resolution: the bucket's size (data/buckets.py), R x R without buckets."""
+    if not bucket:
+        return {r: (r, r) for r in resolutions}
+    spec = PRESETS[preset]
+    multiple = size_multiple(spec["vae"]["block_out_channels"], spec["unet"]["block_out_channels"])
+    return {r: bucket_size(bucket_ratio(bucket), r, multiple) for r in resolutions}
+
+
+def _pixels(image_bytes: bytes, height: int, width: int | None = None) -> torch.Tensor:
+    """Encoded image -> (3, height, width) in [-1, 1], as training crops it (square: width=None)."""
+    image = Image.open(io.BytesIO(image_bytes)).convert("RGB")
+    return cover_crop(image, height, height if width is None else width)
+
+
+def _prepare(row: dict, sizes: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor] | str:
+    try:
+        return {r: _pixels(row["image"], *size) for r, size in sizes.items()}
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        return "corrupt_image"
 
 
 @torch.no_grad()
-def iter_samples(
-    src: str, model, resolutions: list[int], batch_size: int = 16, device: str = "cpu"
-) -> Iterator[dict]:
-    """Samples of `src` (an MDS folder with `image` and `caption`) with their latents, in order.
+def _encode(model, rows: list[dict], pixels: list[dict], resolutions, device) -> list[dict]:
+    captions = [row["caption"] for row in rows]
+    text = model.encode_text(tokenize(model.tokenizer, captions).to(device)).half().cpu().numpy()
+    latents = {}
+    for r in resolutions:
+        batch = torch.stack([p[r] for p in pixels]).to(device, non_blocking=True)
+        latents[r] = model.vae_moments(batch).half().cpu().numpy()
+    samples = []
+    for j, row in enumerate(rows):
+        sample = {"caption": captions[j], "key": row["key"], "text_embeds": text[j]}
+        sample.update({latents_column(r): np.ascontiguousarray(latents[r][j]) for r in resolutions})
+        samples.append(sample)
+    return samples
 
-    Only the VAE and text encoder are used (and must already be on `device`)."""
-    dataset = StreamingDataset(local=src, shuffle=False, batch_size=batch_size)
-    for start in range(0, len(dataset), batch_size):
-        rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-        captions = [row["caption"] for row in rows]
-        text = model.encode_text(tokenize(model.tokenizer, captions).to(device)).half().cpu().numpy()
-        latents = {}
-        for r in resolutions:
-            pixels = torch.stack([_pixels(row["image"], r) for row in rows]).to(device)
-            latents[r] = model.vae_moments(pixels).half().cpu().numpy()
-        for j, row in enumerate(rows):
-            sample = {"caption": captions[j], "key": str(row.get("key", start + j)), "text_embeds": text[j]}
-            sample.update({latents_column(r): np.ascontiguousarray(latents[r][j]) for r in resolutions})
-            yield sample
+
+def encode_rows(
+    rows: Iterable[tuple[str, dict]],
+    model,
+    resolutions,
+    preset: str,
+    batch_size: int = 16,
+    device="cpu",
+    decode_threads: int = 1,
+) -> Iterator[tuple[str, dict] | Skipped]:
+    """(bucket, sample with latents) for each (bucket, source row), in order, batch by batch within a
+    bucket; a Skipped for a row whose image does not decode."""
+    sizes: dict[str, dict] = {}
+    pool = ThreadPoolExecutor(decode_threads) if decode_threads > 1 else None
+    mapper = pool.map if pool is not None else map
+
+    def flush(bucket: str, batch: list[dict]) -> Iterator[tuple[str, dict] | Skipped]:
+        prepared = list(mapper(lambda row: _prepare(row, sizes[bucket]), batch))
+        keep = [(row, p) for row, p in zip(batch, prepared) if not isinstance(p, str)]
+        for row, p in zip(batch, prepared):
+            if isinstance(p, str):
+                yield Skipped(row["key"], p)
+        if keep:
+            for sample in _encode(model, [r for r, _ in keep], [p for _, p in keep], resolutions, device):
+                yield bucket, sample
+
+    try:
+        batch, current = [], None
+        for index, (bucket, row) in enumerate(rows):
+            if batch and (bucket != current or len(batch) == batch_size):
+                yield from flush(current, batch)
+                batch = []
+            if bucket not in sizes:
+                sizes[bucket] = pixel_sizes(bucket, resolutions, preset)
+            current = bucket
+            batch.append({**row, "key": str(row.get("key", index))})
+        if batch:
+            yield from flush(current, batch)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+
+
+def iter_samples(
+    src: str, model, resolutions: list[int], batch_size: int = 16, device="cpu", preset: str = "sd2-base"
+) -> Iterator[dict]:
+    """Every sample of the MDS set `src` with its latents, input by input (index order for a set
+    without buckets). `model` has `vae_moments`, `encode_text` and `tokenizer`, on `device`; `preset`
+    gives the bucket sizes' multiple."""
+    parts, _ = source_parts(src)
+    for part in parts:
+        for result in encode_rows(part.samples(), model, resolutions, preset, batch_size, device):
+            if not isinstance(result, Skipped):
+                yield result[1]
+
+
+# --- running as pipeline inputs ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LatentsOptions:
+    """Everything that changes what gets written (hashed into the completion markers). The batch
+    size is not: it changes nothing but the speed."""
+
+    resolutions: tuple[int, ...]
+    preset: str
+    pretrained: str | None = None
+    buckets: tuple[float, ...] = ()  # the source's, kept
+    compression: str | None = None
+    shard_size_limit: int = 1 << 26
+
+    def digest(self, columns: dict) -> str:
+        blob = json.dumps([dataclasses.asdict(self), columns], sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_LOADED: dict = {}  # (encoder settings, pid) -> (Encoders, device): built once per process
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """convert.pipeline's `Job.write_rows` for latents: plain data, so it crosses into worker
+    processes, which each build the encoders on their own device at their first input."""
+
+    preset: str
+    pretrained: str | None
+    resolutions: tuple[int, ...]
+    batch_size: int = 16
+    device: str | None = None
+    workers: int = 1  # processes per rank: with LOCAL_RANK, which GPU each one takes
+
+    def process_index(self) -> tuple[int, int]:
+        """(this process's index among the node's conversion processes, how many there are)."""
+        from convert.pipeline import worker_slot
+
+        local_rank, local_world = (
+            int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        )
+        return local_rank * self.workers + worker_slot(), local_world * self.workers
+
+    def pick_device(self) -> torch.device:
+        """--device as given when it names one (cpu, cuda:1); else (unset or `cuda`) the node's
+        i-th conversion process takes cuda:i (modulo the GPUs), or the CPU when there are none."""
+        if self.device not in (None, "cuda"):
+            return torch.device(self.device)
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            return torch.device(self.device or "cpu")
+        return torch.device("cuda", self.process_index()[0] % gpus)
+
+    def load(self) -> tuple[Encoders, torch.device]:
+        key = (self, os.getpid())
+        if key not in _LOADED:
+            device = self.pick_device()
+            index, processes = self.process_index()
+            if device.type == "cpu" and processes > 1:  # share the cores, do not oversubscribe them
+                torch.set_num_threads(
+                    max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // processes))
+                )
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            _LOADED.clear()
+            _LOADED[key] = (load_encoders(self.preset, self.pretrained).to(device), device)
+            log.info("process %d of %d encodes on %s", index, processes, device)
+        return _LOADED[key]
+
+    def __call__(self, part: Part, job, writer, progress=None) -> tuple[Counter, Counter]:
+        model, device = self.load()
+        # a GPU outruns one core's JPEG decoding: decode in threads (PIL lets go of the GIL)
+        threads = (
+            min(8, max(1, (os.cpu_count() or 1) // self.process_index()[1])) if device.type == "cuda" else 1
+        )
+        skipped, pending = Counter(), 0
+        samples = encode_rows(
+            part.samples(), model, self.resolutions, self.preset, self.batch_size, device, threads
+        )
+        for result in samples:
+            if isinstance(result, Skipped):
+                skipped[result.reason] += 1
+                log.debug("%s: skipped %s: %s", part.name, result.key, result.reason)
+            else:
+                writer.write(result[1], result[0])
+            pending += 1
+            if progress is not None and pending >= self.batch_size:
+                progress(pending)
+                pending = 0
+        if progress is not None and pending:
+            progress(pending)
+        return skipped, Counter()
 
 
 def convert_latents(
@@ -62,21 +360,35 @@ def convert_latents(
     pretrained: str | None = None,
     batch_size: int = 16,
     device: str | None = None,
+    *,
+    workers: int = 1,
+    work_dir: str | Path | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+    group=None,
 ) -> dict:
     """Encode the MDS image-caption set at `src` with `preset`'s frozen VAE and text encoder (loaded
-    from `pretrained`, a diffusers folder or hub id; random weights without it, for tests) into `out`."""
-    from convert.common import ConvertError
-    from convert.mds import write_mds
-    from models import build_model
+    from `pretrained`, a diffusers folder or hub id; random weights without it, for tests) into `out`
+    (a folder or s3:// URI), one input per source input; returns the run's report (convert.report).
+    `workers` processes per rank of `group` (convert.pipeline.launched_group) share the inputs."""
+    from convert.pipeline import convert
 
-    if not (Path(src) / "index.json").is_file():
-        raise ConvertError(f"--src {src}: no index.json, not an MDS dataset (convert the images first)")
-    components = ("vae", "text_encoder", "tokenizer") if pretrained else ()
-    model = build_model(preset, pretrained=pretrained, pretrained_components=components)
+    if preset not in PRESETS:
+        raise ConvertError(f"--preset {preset}: unknown; choose one of {sorted(PRESETS)}")
+    if pretrained is not None:
+        from models.build import _check_source
+
+        try:
+            _check_source(pretrained)
+        except FileNotFoundError as err:
+            raise ConvertError(f"--pretrained {pretrained}: {err}") from None
+    parts, buckets = source_parts(src)
     if not pretrained:
         log.warning("no --pretrained: encoding with the %s preset's random weights", preset)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model.vae.to(device).eval()
-    model.text_encoder.to(device).eval()
-    samples = iter_samples(src, model, resolutions, batch_size, device=device)
-    return write_mds(samples, out, columns(resolutions))
+    resolutions = tuple(resolutions)
+    options = LatentsOptions(resolutions, preset, pretrained, buckets)
+    encoder = Encoder(preset, pretrained, resolutions, batch_size, device, workers)
+    return convert(
+        parts, out, options, columns(list(resolutions)), source="latents", src=str(src), workers=workers,
+        work_dir=work_dir, progress=progress, overwrite=overwrite, write_rows=encoder, group=group,
+    )  # fmt: skip

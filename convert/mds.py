@@ -56,8 +56,10 @@ class PartWriter:
     def folder(self, bucket: str) -> Path:
         return self.root / bucket / self.name if bucket else self.root / self.name
 
-    def write(self, row: dict) -> None:
-        bucket = bucket_name(row["width"], row["height"], self.buckets)
+    def write(self, row: dict, bucket: str | None = None) -> None:
+        """Write `row` into `bucket` ("" for none), by default the one its width and height fall in."""
+        if bucket is None:
+            bucket = bucket_name(row["width"], row["height"], self.buckets)
         writer = self.writers.get(bucket)
         if writer is None:
             folder = self.folder(bucket)

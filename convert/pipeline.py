@@ -5,19 +5,27 @@ Restartable by construction: input NAME becomes `<out>/[<bucket>/]NAME/` and, on
 and clears and rewrites any that do not, so a run killed at any moment leaves nothing a rerun can
 double. The top-level index.json (and one per bucket) is merged at the end from the markers only, so
 it never names a shard of an unfinished input.
+
+What a run writes per input is `Job.write_rows` (images: `write_images`; latents: convert.latents),
+and it runs as one process, `workers` forked ones, or the ranks of a launcher (`composer -n N`,
+torchrun: a `Group`), each rank converting its share of the inputs, rank 0 merging.
 """
 
+import contextlib
 import ctypes
 import hashlib
 import json
 import logging
 import multiprocessing as mp
+import os
+import pickle
 import signal
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from tqdm import tqdm
@@ -34,15 +42,39 @@ MARKERS = "_done"
 REPORT = "convert-report.json"
 
 
+def write_images(part: Part, job: "Job", writer: PartWriter, progress=None) -> tuple[Counter, Counter]:
+    """The image converters' rows: each raw sample checked and prepared (convert.samples), bucketed
+    by its size. Returns the skipped and repaired counts by reason."""
+    skipped, repaired, pending = Counter(), Counter(), 0
+    for raw in part.samples():
+        result = raw if isinstance(raw, Skipped) else prepare(raw, job.options, job.columns)
+        if isinstance(result, Skipped):
+            skipped[result.reason] += 1
+            log.debug("%s: skipped %s: %s", part.name, result.key, result.reason)
+        else:
+            writer.write(result[0])
+            for reason in result[1]:
+                repaired[reason] += 1
+        pending += 1
+        if progress is not None and pending == 64:
+            progress(pending)
+            pending = 0
+    if progress is not None and pending:
+        progress(pending)
+    return skipped, repaired
+
+
 @dataclass(frozen=True)
 class Job:
     """What every worker needs; plain data so it crosses into worker processes."""
 
     store: LocalStore | S3Store
     columns: dict
-    options: Options
+    options: Options  # or any frozen dataclass with `buckets`, `compression`, `shard_size_limit`, `digest`
     digest: str
     work_dir: Path
+    # (part, job, writer, progress) -> (skipped, repaired): writes one input's rows into the PartWriter
+    write_rows: Callable = write_images
 
     def bucket_folders(self, name: str) -> list[str]:
         buckets = self.options.buckets
@@ -67,27 +99,12 @@ def convert_part(part: Part, job: Job, progress=None) -> dict:
         opts.compression,
         opts.shard_size_limit,
     )
-    skipped, repaired, pending = Counter(), Counter(), 0
     try:
-        for raw in part.samples():
-            result = raw if isinstance(raw, Skipped) else prepare(raw, opts, job.columns)
-            if isinstance(result, Skipped):
-                skipped[result.reason] += 1
-                log.debug("%s: skipped %s: %s", part.name, result.key, result.reason)
-            else:
-                writer.write(result[0])
-                for reason in result[1]:
-                    repaired[reason] += 1
-            pending += 1
-            if progress is not None and pending == 64:
-                progress(pending)
-                pending = 0
+        skipped, repaired = job.write_rows(part, job, writer, progress)
         indexes = writer.close()
     except BaseException:
         writer.abort()
         raise
-    if progress is not None and pending:
-        progress(pending)
     for bucket in indexes:
         job.store.publish(writer.folder(bucket), f"{bucket}/{part.name}" if bucket else part.name)
     marker = {
@@ -117,7 +134,13 @@ def _attempt(part: Part, job: Job, progress) -> tuple[str, dict | None, str | No
 _WORKER: dict = {}
 
 
-def _init_worker(job: Job, counter) -> None:
+def worker_slot() -> int:
+    """0, 1, ... for the pool's worker processes (in start order), 0 outside a pool: what a job
+    that needs a device per process (convert.latents) picks its GPU by."""
+    return _WORKER.get("slot", 0)
+
+
+def _init_worker(job: Job, counter, slots) -> None:
     # Die with the parent: a killed conversion must not leave workers writing into folders that the
     # rerun is about to clear (Linux only; elsewhere they finish their current input and exit).
     try:
@@ -125,7 +148,9 @@ def _init_worker(job: Job, counter) -> None:
     except (OSError, AttributeError):
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _WORKER.update(job=job, counter=counter)
+    with slots.get_lock():
+        slot, slots.value = slots.value, slots.value + 1
+    _WORKER.update(job=job, counter=counter, slot=slot)
 
 
 def _worker_progress(n: int) -> None:
@@ -145,8 +170,9 @@ def run_parts(todo: list[Part], job: Job, workers: int, bar: tqdm) -> Iterator[t
         return
     # fork: workers start in milliseconds, where spawn would re-import torch (via streaming) in each
     ctx = mp.get_context("fork")
-    counter, shown = ctx.Value("q", 0), 0
-    with ctx.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=(job, counter)) as pool:
+    counter, slots, shown = ctx.Value("q", 0), ctx.Value("i", 0), 0
+    init = (job, counter, slots)
+    with ctx.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=init) as pool:
         results = pool.imap_unordered(_run_in_worker, todo)
         while True:
             try:
@@ -172,6 +198,94 @@ def read_markers(store, names: list[str]) -> dict[str, dict]:
         return dict(zip(present, pool.map(lambda n: store.read_json(f"{MARKERS}/{n}.json"), present)))
 
 
+class Group:
+    """The processes one conversion runs as: this one alone (rank 0 of 1)."""
+
+    rank, world = 0, 1
+
+    def broadcast(self, obj):
+        """Rank 0's `obj`, on every rank."""
+        return obj
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        return [obj]
+
+    def close(self) -> None:
+        pass
+
+
+class LaunchedGroup(Group):
+    """The ranks a launcher started (`composer -n N`, torchrun: RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT set), exchanging pickled objects through torch.distributed's key-value store (rank 0
+    hosts it), whatever devices the conversion uses. No process group: gloo's teardown hung now and
+    then once rank 0 had exited. The timeout is long: rank 0 waits at the end for the slowest rank."""
+
+    def __init__(self, timeout: timedelta = timedelta(days=7)):
+        import torch.distributed as dist
+
+        self.store, self.rank, self.world = next(dist.rendezvous("env://", timeout=timeout))
+        self._round = 0
+
+    def _key(self, what: str) -> str:
+        self._round += 1  # every rank makes the same calls in the same order
+        return f"sd-convert/{self._round}/{what}"
+
+    def broadcast(self, obj):
+        key = self._key("broadcast")
+        if self.rank == 0:
+            self.store.set(key, pickle.dumps(obj))
+            return obj
+        return pickle.loads(self.store.get(key))
+
+    def gather(self, obj) -> list:
+        key = self._key("gather")
+        self.store.set(f"{key}/{self.rank}", pickle.dumps(obj))
+        return [
+            obj if r == self.rank else pickle.loads(self.store.get(f"{key}/{r}")) for r in range(self.world)
+        ]
+
+    def close(self) -> None:
+        """Rank 0 hosts the store, so it leaves last, once every rank has read all it needs."""
+        self.store.add("sd-convert/closed", 1)
+        if self.rank == 0:
+            while self.store.add("sd-convert/closed", 0) < self.world:
+                time.sleep(0.05)
+
+
+def launched_group() -> Group:
+    """A LaunchedGroup under a launcher with more than one rank, else the lone process."""
+    return LaunchedGroup() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else Group()
+
+
+def share(todo: list[Part], rank: int, world: int) -> list[Part]:
+    """This rank's inputs, in input order. Every rank computes the same split: inputs, largest first,
+    go to the rank with the fewest samples so far (by turns when sizes are unknown)."""
+    if world == 1:
+        return todo
+    if any(p.size is None for p in todo):
+        return todo[rank::world]
+    loads, mine = [0] * world, set()
+    for part in sorted(todo, key=lambda p: -p.size):  # stable: equal sizes stay in input order
+        least = loads.index(min(loads))
+        loads[least] += part.size
+        if least == rank:
+            mine.add(part.name)
+    return [p for p in todo if p.name in mine]
+
+
+def _plan(store, names: list[str], digest: str, overwrite: bool) -> dict[str, dict]:
+    """The markers of inputs already done; an error if one was converted with other options."""
+    markers = {} if overwrite else read_markers(store, names)
+    other = sorted(n for n, m in markers.items() if m.get("options") != digest)
+    if other:
+        raise ConvertError(
+            f"--out {store.url}: input {other[0]} (and {len(other) - 1} more) was converted with other "
+            "options; rerun with the same options, use a new --out, or pass --overwrite"
+        )
+    return {n: markers[n] for n in names if n in markers}
+
+
 def convert(
     parts: list[Part],
     out: str,
@@ -184,67 +298,104 @@ def convert(
     work_dir: str | Path | None = None,
     progress: bool = True,
     overwrite: bool = False,
+    write_rows: Callable = write_images,
+    group: Group | None = None,
 ) -> dict:
-    """Convert every input not yet done, merge the index, write and return the report."""
+    """Convert every input not yet done, merge the index, write and return the report.
+
+    Under a `group` of several ranks each converts its share (`share`) with `workers` processes;
+    rank 0 alone checks the output, holds its lock, reads the markers, merges and writes the report,
+    and every rank returns the report (or raises the first rank's fatal error)."""
+    group = group or Group()
     names = [p.name for p in parts]
     if len(set(names)) != len(names):
         raise ConvertError(
             f"--src {src}: two inputs map to the same name {Counter(names).most_common(1)[0][0]}"
         )
     store = open_store(out)
-    store.check()
     digest = options.digest(columns)
-    job = Job(store, columns, options, digest, Path(work_dir or default_work_dir(out)))
+    job = Job(store, columns, options, digest, Path(work_dir or default_work_dir(out)), write_rows)
     started = time.monotonic()
-    with store.lock():
-        markers = {} if overwrite else read_markers(store, names)
-        other = sorted(n for n, m in markers.items() if m.get("options") != digest)
-        if other:
-            raise ConvertError(
-                f"--out {store.url}: input {other[0]} (and {len(other) - 1} more) was converted with other "
-                "options; rerun with the same options, use a new --out, or pass --overwrite"
-            )
-        done = {n: markers[n] for n in names if n in markers}
+    with contextlib.ExitStack() as held:
+        plan: dict | str | None = None
+        if group.rank == 0:
+            try:
+                store.check()
+                held.enter_context(store.lock())
+                plan = _plan(store, names, digest, overwrite)
+            except ConvertError as err:
+                if group.world == 1:
+                    raise
+                plan = str(err)
+        plan = group.broadcast(plan)
+        if isinstance(plan, str):
+            raise ConvertError(plan)
+        done = plan
         todo = [p for p in parts if p.name not in done]
+        mine = share(todo, group.rank, group.world)
         log.info(
-            "%d inputs, %d already done, %d to convert -> %s", len(parts), len(done), len(todo), store.url
-        )
-        sizes = [p.size for p in todo]
+            "%d inputs, %d already done, %d to convert%s -> %s", len(parts), len(done), len(todo),
+            f" ({len(mine)} by rank {group.rank} of {group.world})" if group.world > 1 else "", store.url,
+        )  # fmt: skip
+        sizes = [p.size for p in mine]
         total = sum(sizes) if None not in sizes else None
-        failed, this_run = {}, []
+        failed, this_run, fatal = {}, [], None
+        bar = tqdm(total=total, unit="sample", desc="convert", disable=not progress, smoothing=0.1)
+        try:
+            for name, marker, error in run_parts(mine, job, workers, bar):
+                if error is not None:
+                    failed[name] = error
+                    log.warning("input %s failed and will be retried by the next run: %s", name, error)
+                else:
+                    this_run.append(marker)
+        except ConvertError as err:
+            fatal = err
+        finally:
+            bar.close()
+        results = group.gather((failed, this_run, None if fatal is None else str(fatal)))
+        failed = {name: error for ranks_failed, _, _ in results for name, error in ranks_failed.items()}
+        this_run = [marker for _, ranks_markers, _ in results for marker in ranks_markers]
+        errors = [error for _, _, error in results if error is not None]
+        done.update((marker["input"], marker) for marker in this_run)
 
         def report(error=None) -> dict:
             args = (source, src, store.url, options, parts, done, failed, this_run)
             return build_report(*args, time.monotonic() - started, error=error)
 
-        bar = tqdm(total=total, unit="sample", desc="convert", disable=not progress, smoothing=0.1)
-        try:
-            for name, marker, error in run_parts(todo, job, workers, bar):
-                if error is not None:
-                    failed[name] = error
-                    log.warning("input %s failed and will be retried by the next run: %s", name, error)
+        final: dict | str | None = None
+        if group.rank == 0:
+            try:
+                if errors:
+                    try:  # best effort: the store may be what failed
+                        store.write_bytes(REPORT, json.dumps(report(errors[0]), indent=2).encode())
+                    except ConvertError:
+                        pass
                 else:
-                    done[name] = marker
-                    this_run.append(marker)
-        except ConvertError as err:
-            try:  # best effort: the store may be what failed
-                store.write_bytes(REPORT, json.dumps(report(str(err)), indent=2).encode())
-            except ConvertError:
-                pass
-            raise
-        finally:
-            bar.close()
-        merge_indexes(store, [done[n] for n in names if n in done], job.work_dir)
-        final = report()
-        store.write_bytes(REPORT, json.dumps(final, indent=2).encode())
+                    merge_indexes(store, [done[n] for n in names if n in done], job.work_dir)
+                    final = report()
+                    store.write_bytes(REPORT, json.dumps(final, indent=2).encode())
+            except ConvertError as err:
+                if group.world == 1:
+                    raise
+                final = str(err)
+        final = group.broadcast(final)
+    if fatal is not None:
+        raise fatal
+    if errors or isinstance(final, str):
+        raise ConvertError(errors[0] if errors else final)
     _prune_empty(job.work_dir)
     return final
 
 
 def _prune_empty(folder: Path) -> None:
     """Remove the work dir's empty folders (all of it when nothing is left, e.g. no downloads)."""
-    if not folder.is_dir():
+    try:
+        paths = sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True) + [folder]
+    except OSError:  # gone, or going: another rank pruned it
         return
-    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True) + [folder]:
-        if path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
+    for path in paths:
+        try:
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+        except OSError:  # another rank pruned it first, or wrote into it meanwhile
+            pass

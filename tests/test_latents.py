@@ -59,7 +59,7 @@ def test_latents_cli(shapes_mds, tmp_path, capsys):
     out = tmp_path / "cli"
     argv = ["latents", "--src", str(shapes_mds / "mds"), "--out", str(out), "--resolutions", "16"]
     assert main([*argv, "--preset", "tiny", "--batch-size", "32"]) == 0
-    assert "64 samples encoded at [16] px" in capsys.readouterr().out
+    assert "1/1 inputs done (1 this run); 64 samples written" in capsys.readouterr().out
     row = StreamingDataset(local=str(out), shuffle=False, batch_size=1)[0]
     assert row["latents_16"].shape == (8, 4, 4) and row["text_embeds"].shape == (77, 32)
 
