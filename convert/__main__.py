@@ -341,7 +341,7 @@ def main(argv=None) -> int:
 def _latents(args) -> int:
     from convert.common import ConvertError
     from convert.latents import convert_latents
-    from convert.pipeline import launched_group
+    from convert.ranks import launched_group
     from convert.report import summary_line
 
     group = launched_group()  # the ranks of composer -n N / torchrun, or this process alone

@@ -13,14 +13,12 @@ A bucketed source (`sd-convert --buckets`) keeps its buckets, each encoded at it
 `latents_{R}` is (8, h/f, w/f) for its (h, w); without buckets, R x R as training crops it.
 """
 
-import contextlib
 import dataclasses
 import hashlib
 import io
 import json
 import logging
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +30,7 @@ import torch
 from PIL import Image
 
 from convert.common import ConvertError, Part, Skipped
-from convert.samples import bucket_label
+from convert.latents_source import source_parts
 from data.buckets import bucket_ratio, bucket_size, cover_crop, size_multiple
 from data.latents import latents_column
 from models.presets import PRESETS
@@ -46,91 +44,6 @@ def columns(resolutions: list[int]) -> dict[str, str]:
     cols = {"caption": "str", "key": "str", "text_embeds": "ndarray:float16"}
     cols.update({latents_column(r): "ndarray:float16" for r in resolutions})
     return cols
-
-
-# --- the source -----------------------------------------------------------------------------------
-
-
-def source_parts(src: str | Path) -> tuple[list[Part], tuple[float, ...]]:
-    """(one Part per input of the MDS set at `src`, the aspect-ratio buckets it is sorted into).
-
-    Read from the top-level index.json, which names finished inputs only. Shard paths are
-    `[<bucket>/]NAME/shard...` as convert.pipeline writes them (NAME is the input, over all its
-    buckets), or `shard...` at the top of a set written in one piece: each such shard is an input.
-    A Part yields (bucket, row) pairs, bucket by bucket."""
-    root = Path(src).expanduser()
-    if not (root / "index.json").is_file():
-        raise ConvertError(f"--src {src}: no index.json, not an MDS dataset (convert the images first)")
-    try:
-        shards = json.loads((root / "index.json").read_text())["shards"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConvertError(f"--src {src}: unreadable index.json ({type(err).__name__}: {err})") from None
-    inputs: dict[str, dict[str, list[dict]]] = {}  # name -> bucket -> shard entries, in index order
-    for entry in shards:
-        missing = {"image", "caption"} - set(entry.get("column_names", ()))
-        if entry.get("format") != "mds" or missing:
-            raise ConvertError(
-                f"--src {src}: not an MDS image-caption set (no {sorted(missing)} columns); convert the "
-                "images with one of the other sources first"
-            )
-        path = entry["raw_data"]["basename"].split("/")
-        if len(path) == 1:
-            bucket, name = "", path[0].removesuffix(".mds")
-        elif len(path) == 2:
-            bucket, name = "", path[0]
-        elif len(path) == 3 and bucket_ratio(path[0]) is not None:
-            bucket, name = path[0], path[1]
-        else:
-            raise ConvertError(
-                f"--src {src}: shard {'/'.join(path)} is not laid out as sd-convert writes sets "
-                "([<bucket>/]<input>/shard...)"
-            )
-        inputs.setdefault(name, {}).setdefault(bucket, []).append(entry)
-    labels = sorted({bucket for by_bucket in inputs.values() for bucket in by_bucket})
-    if not inputs:
-        raise ConvertError(f"--src {src}: index.json names no shards")
-    if "" in labels and len(labels) > 1:
-        raise ConvertError(f"--src {src}: mixes bucketed ({labels[1]}/...) and unbucketed shards")
-    ratios = tuple(sorted(bucket_ratio(label) for label in labels if label))
-    for ratio, label in zip(ratios, sorted((label for label in labels if label), key=bucket_ratio)):
-        if bucket_label(ratio) != label:  # the pipeline names (and clears) bucket folders by ratio
-            raise ConvertError(f"--src {src}: bucket folder {label} is not named as sd-convert names them")
-    parts = [
-        Part(
-            name,
-            read_input,
-            (str(root), tuple((bucket, tuple(entries)) for bucket, entries in sorted(by_bucket.items()))),
-            sum(entry["samples"] for entries in by_bucket.values() for entry in entries),
-        )
-        for name, by_bucket in inputs.items()
-    ]
-    return parts, ratios
-
-
-def read_input(root: str, buckets: tuple[tuple[str, tuple[dict, ...]], ...]) -> Iterator[tuple[str, dict]]:
-    for bucket, entries in buckets:
-        for entry in entries:
-            for row in shard_rows(root, entry):
-                yield bucket, row
-
-
-def shard_rows(root: str, entry: dict) -> Iterator[dict]:
-    """The rows of one MDS shard (its index.json entry), decompressing it to a temporary file when
-    only the compressed form is there."""
-    from streaming.base.compression import decompress
-    from streaming.base.format import reader_from_json
-
-    with contextlib.ExitStack() as stack:
-        dirname = root
-        raw = entry["raw_data"]["basename"]
-        if not Path(root, raw).is_file() and entry.get("zip_data"):
-            dirname = stack.enter_context(tempfile.TemporaryDirectory(prefix="sd-convert-shard-"))
-            data = Path(root, entry["zip_data"]["basename"]).read_bytes()
-            Path(dirname, raw).parent.mkdir(parents=True, exist_ok=True)
-            Path(dirname, raw).write_bytes(decompress(entry["compression"], data))
-        reader = reader_from_json(dirname, None, entry)
-        for index in range(entry["samples"]):
-            yield reader[index]
 
 
 # --- encoding -------------------------------------------------------------------------------------
@@ -370,7 +283,7 @@ def convert_latents(
     """Encode the MDS image-caption set at `src` with `preset`'s frozen VAE and text encoder (loaded
     from `pretrained`, a diffusers folder or hub id; random weights without it, for tests) into `out`
     (a folder or s3:// URI), one input per source input; returns the run's report (convert.report).
-    `workers` processes per rank of `group` (convert.pipeline.launched_group) share the inputs."""
+    `workers` processes per rank of `group` (convert.ranks.launched_group) share the inputs."""
     from convert.pipeline import convert
 
     if preset not in PRESETS:
