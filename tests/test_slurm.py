@@ -158,7 +158,7 @@ def slurm(tmp_path):
     # that port is free (every new cluster would start at job 1, port 20001, for concurrent runs too).
     first_job_id = _free_port(20001, 39999) - 20000
     (root / "slurm.conf").write_text(_slurm_conf(root, munge_socket, first_job_id))
-    env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
+    env = _env(root)
     pid_files = [root / "slurmd.pid", root / "slurmctld.pid", root / "munge/munged.pid"]
     try:
         munge = [f"--key-file={key}", f"--socket={munge_socket}", f"--pid-file={pid_files[2]}"]
@@ -183,6 +183,26 @@ def _job_state(job: str, env) -> dict:
     return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
 
+def _diagnosis(job: str, state: dict, root: Path) -> str:
+    """Why a job is not done: its state and reason, the node, the tails of the daemons' and job's logs."""
+    lines = [
+        f"job {job}: {state.get('JobState')} (reason {state.get('Reason')}, exit {state.get('ExitCode')})"
+    ]
+    node = subprocess.run(
+        ["scontrol", "show", "node"], capture_output=True, text=True, env=_env(root), timeout=20
+    )
+    lines.append(node.stdout.strip() or node.stderr.strip())
+    for name in ("slurmctld.log", "slurmd.log", "job.out"):
+        path = root / name if name != "job.out" else root.parent / name
+        text = path.read_text(errors="replace") if path.exists() else "(none)"
+        lines.append(f"--- {name}, last lines:\n" + "\n".join(text.splitlines()[-25:]))
+    return "\n".join(lines)
+
+
+def _env(root: Path) -> dict:
+    return {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
+
+
 def test_slurm_sbatch_trains_on_two_processes_and_checkpoints(slurm, shapes_mds, tmp_path):
     log, save = tmp_path / "job.out", tmp_path / "ckpt"
     submit = [
@@ -193,6 +213,9 @@ def test_slurm_sbatch_trains_on_two_processes_and_checkpoints(slurm, shapes_mds,
         "--gpus-per-node=0",
         f"--cpus-per-task={os.cpu_count()}",
         f"--output={log}",
+        # The script's --requeue would turn a failed launch into a job held PENDING forever (what a
+        # CI run showed: 300 s PENDING, no reason kept); here it must fail and say why.
+        "--no-requeue",
         "launch/slurm.sbatch",
         "yamls/tiny-cpu.yaml",
         f"data.train.local={shapes_mds / 'mds'}",
@@ -209,11 +232,13 @@ def test_slurm_sbatch_trains_on_two_processes_and_checkpoints(slurm, shapes_mds,
     seen = {}  # pid -> (command line, environment) of the job's processes, while they run
     deadline = time.monotonic() + 300
     while (state := _job_state(job, env)).get("JobState") in UNFINISHED:
-        assert time.monotonic() < deadline, f"job {job} still {state.get('JobState')}"
+        assert time.monotonic() < deadline, _diagnosis(job, state, root)
         seen.update(_cluster_processes(root))
         time.sleep(0.2)
     output = log.read_text() if log.exists() else "(no job log)"
-    assert (state.get("JobState"), state.get("ExitCode")) == ("COMPLETED", "0:0"), output[-3000:]
+    assert (state.get("JobState"), state.get("ExitCode")) == ("COMPLETED", "0:0"), _diagnosis(
+        job, state, root
+    )
     assert f"job {job}: 1 nodes x 2 GPUs" in output and "world size 2" in output, output[-3000:]
     assert (save / "ep0-ba2-rank0.pt").is_file(), sorted(p.name for p in save.iterdir())
 
