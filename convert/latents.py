@@ -15,7 +15,6 @@ A bucketed source (`sd-convert --buckets`) keeps its buckets, each encoded at it
 
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -87,8 +86,7 @@ def pixel_sizes(bucket: str, resolutions, preset: str) -> dict[int, tuple[int, i
 
 def _pixels(image_bytes: bytes, height: int, width: int | None = None) -> torch.Tensor:
     """Encoded image -> (3, height, width) in [-1, 1], as training crops it (square: width=None)."""
-    image = Image.open(io.BytesIO(image_bytes)).convert("RGB")
-    return cover_crop(image, height, height if width is None else width)
+    return cover_crop(image_bytes, height, height if width is None else width)
 
 
 def _prepare(row: dict, sizes: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor] | str:

@@ -17,6 +17,7 @@ from composer.models import ComposerModel
 from diffusers import AutoencoderKL
 from torchmetrics import MeanSquaredError
 
+from models.pixels import to_float
 from models.presets import PRESETS
 from models.tokenizer import build_tokenizer
 
@@ -38,7 +39,7 @@ class Autoencoder(ComposerModel):
         self.val_mse = MeanSquaredError()
 
     def forward(self, batch):
-        posterior = self.vae.encode(batch["image"]).latent_dist
+        posterior = self.vae.encode(to_float(batch["image"])).latent_dist
         latents = posterior.sample()
         if self.training:
             with torch.no_grad():
@@ -47,19 +48,19 @@ class Autoencoder(ComposerModel):
 
     def loss(self, outputs, batch):
         reconstruction, posterior = outputs
-        mse = F.mse_loss(reconstruction.float(), batch["image"].float())
+        mse = F.mse_loss(reconstruction.float(), to_float(batch["image"]).float())
         return mse + self.kl_weight * posterior.kl().mean()
 
     def eval_forward(self, batch, outputs=None):
         if outputs is not None:
             return outputs[0]
-        return self.vae.decode(self.vae.encode(batch["image"]).latent_dist.mode()).sample
+        return self.vae.decode(self.vae.encode(to_float(batch["image"])).latent_dist.mode()).sample
 
     def get_metrics(self, is_train: bool = False):
         return {} if is_train else {"MeanSquaredError": self.val_mse}
 
     def update_metric(self, batch, outputs, metric) -> None:
-        metric.update(outputs, batch["image"])
+        metric.update(outputs, to_float(batch["image"]))
 
     @torch.no_grad()
     def reconstruct(self, images: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """The Stable Diffusion ComposerModel: a trainable UNet conditioned on a frozen text encoder, trained
 on the latents of a frozen VAE with the DDPM objective.
 
-A batch holds either images and token ids (`image` in [-1, 1], `input_ids`) or what
-`python -m convert latents` precomputed from them (`latents`: the VAE's Gaussian moments, unscaled;
-`text_embeds`). Both paths sample the latent from the moments and apply `latent_scale` once, here,
-so the loss is the same for the same noise and timesteps.
+A batch holds either images and token ids (`image` in [-1, 1], or uint8 as the data loader hands it
+over: models/pixels.py; `input_ids`) or what `python -m convert latents` precomputed from them
+(`latents`: the VAE's Gaussian moments, unscaled; `text_embeds`). Both paths sample the latent from
+the moments and apply `latent_scale` once, here, so the loss is the same for the same noise and
+timesteps.
 
 Training draws its latent samples, noise, timesteps and caption dropout from the global RNG (which
 Composer seeds and checkpoints). Validation (`eval_forward`) draws them from generators seeded per
@@ -22,6 +23,7 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import resca
 from torchmetrics import MeanSquaredError
 
 from models.flops import unet_training_flops
+from models.pixels import to_float
 from models.tokenizer import tokenize
 
 SAMPLERS = {
@@ -121,8 +123,9 @@ class StableDiffusion(ComposerModel):
     # -- conditioning ----------------------------------------------------------------------------
     @torch.no_grad()
     def vae_moments(self, images: torch.Tensor) -> torch.Tensor:
-        """The VAE posterior's (mean, logvar), concatenated on channels: what `convert latents` stores."""
-        return self.vae.encode(images).latent_dist.parameters
+        """The VAE posterior's (mean, logvar), concatenated on channels: what `convert latents` stores.
+        `images` in [-1, 1], or uint8 as the data loader hands them over (converted here, on their device)."""
+        return self.vae.encode(to_float(images)).latent_dist.parameters
 
     def sample_latents(self, moments: torch.Tensor) -> torch.Tensor:
         return DiagonalGaussianDistribution(moments.float()).sample() * self.latent_scale
@@ -228,7 +231,8 @@ class StableDiffusion(ComposerModel):
         """One 63-bit seed per sample: blake2b of `eval_seed`, the sample's pixels (or precomputed
         latent moments) and its token ids (or text embeddings), as raw bytes. Costs a copy of the batch
         to the CPU and about 3 ms per 256 px image (one core); validation only."""
-        pixels = batch["latents"] if "latents" in batch else batch["image"]
+        # uint8 images hash as their floats: the same seeds whichever the loader hands over.
+        pixels = batch["latents"] if "latents" in batch else to_float(batch["image"])
         text = batch["text_embeds"] if "text_embeds" in batch else batch["input_ids"]
         pixels, text = pixels.detach().cpu().contiguous(), text.detach().cpu().contiguous()
         seeds = []

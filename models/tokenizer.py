@@ -4,16 +4,25 @@ Stable Diffusion 2 tokenizes with OpenCLIP's BPE (the same merges as OpenAI CLIP
 ships that vocabulary (`bpe_simple_vocab_16e6.txt.gz`), so we derive a transformers `CLIPTokenizer`
 from it instead of downloading `tokenizer/` from a hub. The result saves with `save_pretrained` and
 is what an exported diffusers pipeline carries.
+
+`CaptionEncoder` gives the same ids for one caption 3-5x faster (the data loader's tokenizer):
+the slow tokenizer's text clean-up (ftfy, whitespace, lower case; split on the special tokens) in
+Python, then the Rust BPE of `tokenizers` that transformers' CLIPTokenizerFast uses. The
+CLIPTokenizerFast itself is not a drop-in: it skips ftfy, so curly quotes, HTML entities and
+full-width characters come out as other ids than the slow tokenizer's (and SD2's) give.
 """
 
 import gzip
 import importlib.util
 import json
+import re
 import tempfile
 from pathlib import Path
 
+import numpy as np
+import torch
 from transformers import CLIPTokenizer
-from transformers.models.clip.tokenization_clip import bytes_to_unicode
+from transformers.models.clip.tokenization_clip import bytes_to_unicode, whitespace_clean
 
 MAX_LENGTH = 77  # CLIP's context length
 # CLIP keeps the first 49152 - 256 - 2 lines of the BPE file (line 0 is a version header); the
@@ -68,3 +77,69 @@ def tokenize(tokenizer: CLIPTokenizer, captions: list[str]):
         truncation=True,
         return_tensors="pt",
     ).input_ids
+
+
+class CaptionEncoder:
+    """caption -> (77,) LongTensor: exactly `tokenize(tokenizer, [caption])[0]`, 3-5x faster for a
+    slow `CLIPTokenizer` (0.1-0.2 instead of 0.5-0.7 ms a caption, one core).
+
+    It reproduces the slow tokenizer's steps: split on the added tokens ("!" for SD2, the start and
+    end tokens), ftfy.fix_text + whitespace clean-up + lower() on the rest, CLIP's word regex and
+    byte-level BPE (the Rust `tokenizers` model, built from this tokenizer's vocabulary and merges),
+    cut to 75 ids, start and end tokens, padding. Any other tokenizer (a fast one, one without ftfy,
+    added tokens that strip spaces), and a caption whose cleaned text holds "<|" (where the slow
+    tokenizer's regex may match a special token inside a word), go through `tokenize` itself.
+    Tested against it on a few hundred varied captions (tests/test_tokenizer.py).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.backend = None
+        if (
+            type(tokenizer) is CLIPTokenizer
+            and tokenizer.fix_text is not None
+            and not getattr(tokenizer, "do_lower_case", False)
+            and not tokenizer.split_special_tokens
+            and tokenizer.padding_side == "right"
+            and tokenizer.truncation_side == "right"
+            and not any(
+                t.lstrip or t.rstrip or t.single_word for t in tokenizer._added_tokens_decoder.values()
+            )
+        ):
+            from transformers.convert_slow_tokenizer import convert_slow_tokenizer
+
+            self.backend = convert_slow_tokenizer(tokenizer)
+            self.backend.normalizer = None  # done in Python, as the slow tokenizer does
+            self.added = dict(tokenizer._added_tokens_encoder)
+            longest_first = sorted(self.added, key=len, reverse=True)
+            self.split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")").split
+            self.fix_text = tokenizer.fix_text
+            self.bos, self.eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+            self.pad = tokenizer.pad_token_id
+
+    def __getstate__(self):  # a DataLoader worker started by spawn rebuilds the backend
+        return {"tokenizer": self.tokenizer}
+
+    def __setstate__(self, state):
+        self.__init__(state["tokenizer"])
+
+    def __call__(self, caption: str) -> torch.Tensor:
+        if self.backend is None:
+            return tokenize(self.tokenizer, [caption])[0]
+        ids = [self.bos]
+        for chunk in self.split(caption):
+            if chunk in self.added:
+                ids.append(self.added[chunk])
+            elif chunk:
+                if chunk.isascii() and chunk.isprintable() and "&" not in chunk:
+                    # ftfy leaves printable ASCII without HTML entities as it is (tested); skipping
+                    # it halves the time of a typical caption.
+                    text = " ".join(chunk.split()).lower()
+                else:
+                    text = whitespace_clean(self.fix_text(chunk)).lower()
+                if "<|" in text:
+                    return tokenize(self.tokenizer, [caption])[0]
+                ids += self.backend.encode(text, add_special_tokens=False).ids
+        ids = ids[: MAX_LENGTH - 1] + [self.eos]
+        ids += [self.pad] * (MAX_LENGTH - len(ids))
+        return torch.from_numpy(np.array(ids, dtype=np.int64))

@@ -83,7 +83,8 @@ class PoisonBatch(Callback):
         if self.rank is not None and dist.get_global_rank() != self.rank:
             return
         if int(state.timestamp.batch) + 1 == self.batch:
-            state.batch["image"].fill_(self.value)
+            image = state.batch["image"]  # uint8 from the data loader cannot hold a NaN: floats instead
+            state.batch["image"] = torch.full(image.shape, self.value, device=image.device)
 
 
 class KillDuringSave(Callback):

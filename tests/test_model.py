@@ -97,6 +97,22 @@ def test_precomputed_latents_give_the_same_loss_as_images():
     assert (unet_inputs[2] - unet_inputs[0]).abs().max() > 10 * (unet_inputs[1] - unet_inputs[0]).abs().max()
 
 
+def test_uint8_images_train_and_validate_as_their_floats():
+    """The data loader hands over uint8; the model converts on the device, bit for bit as the loader's
+    float path would have (models/pixels.py)."""
+    from models.pixels import to_float
+
+    model = build_model("tiny")
+    model.train()
+    batch = _batch(model)
+    uint8 = {**batch, "image": torch.randint(0, 256, batch["image"].shape, dtype=torch.uint8)}
+    floats = {**batch, "image": to_float(uint8["image"])}
+    assert floats["image"].min() >= -1 and floats["image"].max() <= 1
+    assert torch.equal(_loss(model, uint8), _loss(model, floats))
+    assert model.eval_seeds(uint8) == model.eval_seeds(floats)
+    assert to_float(floats["image"]) is floats["image"]  # floats pass through
+
+
 def test_caption_dropout_uses_the_empty_caption_on_both_paths():
     model = build_model("tiny", caption_drop_prob=1.0)
     batch = _batch(model)

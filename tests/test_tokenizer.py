@@ -1,4 +1,9 @@
-from models.tokenizer import MAX_LENGTH, build_tokenizer, tokenize
+import pickle
+
+import pytest
+import torch
+
+from models.tokenizer import MAX_LENGTH, CaptionEncoder, build_tokenizer, tokenize
 
 
 def test_offline_clip_tokenizer_matches_open_clip():
@@ -21,3 +26,94 @@ def test_sd2_padding_and_truncation():
     assert ids[0, :5].tolist() == [49406, 320, 736, 7117, 49407]
     assert ids[0, 5:].eq(0).all()  # SD2 pads with "!" (id 0), like open_clip
     assert ids[1, -1].item() == 49407  # a long caption is cut, keeping the end token
+
+
+def varied_captions(n: int = 400, seed: int = 0) -> list[str]:
+    """LAION-like captions and what breaks tokenizers: curly quotes, HTML entities, full-width and
+    ligature characters, mojibake, control characters, CJK, RTL, combining marks, emoji sequences,
+    "!" (SD2's pad token), special-token look-alikes, long ones (cut to 77), empty ones."""
+    import random
+
+    rng = random.Random(seed)
+    words = (
+        "a photo of the cat dog on in with red blue vintage poster Art canvas print HD 4K women's men's "
+        "it's don't I'm we're they've you'll he'd O'Neil rock'n'roll x-ray e-mail 3D 1920s"
+    ).split()
+    extra = [
+        *("café", "naïve", "Zürich", "São Paulo", "Ærø", "straße", "İstanbul", "ΣΟΦΙΑ", "ὈΔΥΣΣΕΎΣ"),
+        *("“quoted”", "‘single’", "it’s", "—", "–", "…", "•", "©", "®", "™", "°C", "½", "²", "№"),
+        *("東京タワー", "日本語のテキスト", "北京", "한국어 문장", "Москва", "مرحبا بالعالم", "שלום"),
+        *("नमस्ते दुनिया", "สวัสดี", "Tiếng Việt", "🙂", "👍🏽", "👨\u200d👩\u200d👧", "🇫🇷", "❤️", "★☆"),
+        *(
+            "ｆｕｌｌｗｉｄｔｈ",
+            "ＡＢＣ１２３",
+            "！",
+            "？",
+            "＆",
+            "&amp;",
+            "&quot;hi&quot;",
+            "&lt;b&gt;",
+            "&#39;",
+        ),
+        *("ﬁne ﬂow", "Ã©", "â€™", "\u00a0nbsp", "zero\u200bwidth", "soft\u00adhyphen", "tab\there"),
+        *("new\nline", "cr\r\nlf", "ctrl\x07bell", "\x1b[31mred\x1b[0m", "e\u0301", "A\u030a", "!", "!!"),
+        *("wow!", "hi!there", "<|startoftext|>", "<|endoftext|>", "<|ENDOFTEXT|>", "x<|endoftext|>y", "<|"),
+        *(
+            "|>",
+            "<>",
+            "$19.99",
+            "50%",
+            "#hashtag",
+            "@user",
+            "http://example.com/a?b=c&d=e",
+            "C:\\path\\x.jpg",
+        ),
+        *("a_b_c", "CamelCaseWord", "ALLCAPS", "1234567890", "3.14159", "1/2", "  leading", "trailing  "),
+        *("'s", "'''", '"quoted"', "(parens)", "[brackets]", "{braces}"),
+    ]
+    captions = ["", " ", "!", "a photo of a cat", "word " * 200, "ünïcödé " * 60, "!" * 100, "東京" * 80]
+    captions += ["<|startoftext|>", "a!b!c", "A  B\t\tC\n\nD"]
+    while len(captions) < n:
+        parts = [
+            rng.choice(words) if rng.random() < 0.6 else rng.choice(extra) for _ in range(rng.randint(1, 40))
+        ]
+        captions.append(rng.choice([" ", " ", " ", "", ", "]).join(parts))
+    return captions
+
+
+@pytest.mark.parametrize("pad_token", ["!", "<|endoftext|>"])  # SD2, SD1
+def test_caption_encoder_gives_the_slow_tokenizers_ids(pad_token):
+    tok = build_tokenizer(pad_token=pad_token)
+    encoder = CaptionEncoder(tok)
+    assert encoder.backend is not None  # the fast path, not the fallback
+    for caption in varied_captions():
+        ids = encoder(caption)
+        assert ids.dtype == torch.long and ids.shape == (MAX_LENGTH,)
+        assert torch.equal(ids, tokenize(tok, [caption])[0]), repr(caption)
+    restored = pickle.loads(pickle.dumps(encoder))  # as a spawned DataLoader worker gets it
+    assert restored.backend is not None and torch.equal(restored("a cat"), encoder("a cat"))
+
+
+def test_ftfy_leaves_printable_ascii_without_entities_alone():
+    """What CaptionEncoder's shortcut relies on (for the pinned ftfy)."""
+    import random
+    import string
+
+    import ftfy
+
+    rng = random.Random(0)
+    alphabet = string.printable[:95].replace("&", "")  # printable ASCII: space to ~
+    for _ in range(20_000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        assert ftfy.fix_text(text) == text
+
+
+def test_caption_encoder_falls_back_to_any_other_tokenizer(tmp_path):
+    from transformers import CLIPTokenizerFast
+
+    build_tokenizer().save_pretrained(tmp_path)
+    fast = CLIPTokenizerFast.from_pretrained(tmp_path)  # skips ftfy: not the slow tokenizer's ids
+    encoder = CaptionEncoder(fast)
+    assert encoder.backend is None
+    for caption in ("a red circle", "it’s &amp; ！"):
+        assert torch.equal(encoder(caption), tokenize(fast, [caption])[0])
