@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -144,9 +145,11 @@ def _stop_cluster(root: Path, env, pid_files: list[Path]) -> None:
 
 
 @pytest.fixture
-def slurm(tmp_path):
+def slurm():
     """A running one-node cluster: yields the environment that points Slurm's commands at it."""
-    root = tmp_path / "slurm"
+    # A short folder: slurmd's step sockets live in its spool and a Unix socket path holds at most
+    # 108 bytes; under pytest-xdist's tmp_path it took 110 and every job failed to launch.
+    root = Path(tempfile.mkdtemp(prefix="slurm-"))
     for folder in ("state", "spool", "munge"):
         (root / folder).mkdir(parents=True)
     (root / "munge").chmod(0o700)
@@ -176,6 +179,7 @@ def slurm(tmp_path):
         yield env
     finally:
         _stop_cluster(root, env, pid_files)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _job_state(job: str, env) -> dict:
@@ -183,7 +187,7 @@ def _job_state(job: str, env) -> dict:
     return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
 
-def _diagnosis(job: str, state: dict, root: Path) -> str:
+def _diagnosis(job: str, state: dict, root: Path, log: Path) -> str:
     """Why a job is not done: its state and reason, the node, the tails of the daemons' and job's logs."""
     lines = [
         f"job {job}: {state.get('JobState')} (reason {state.get('Reason')}, exit {state.get('ExitCode')})"
@@ -192,10 +196,9 @@ def _diagnosis(job: str, state: dict, root: Path) -> str:
         ["scontrol", "show", "node"], capture_output=True, text=True, env=_env(root), timeout=20
     )
     lines.append(node.stdout.strip() or node.stderr.strip())
-    for name in ("slurmctld.log", "slurmd.log", "job.out"):
-        path = root / name if name != "job.out" else root.parent / name
+    for path in (root / "slurmctld.log", root / "slurmd.log", log):
         text = path.read_text(errors="replace") if path.exists() else "(none)"
-        lines.append(f"--- {name}, last lines:\n" + "\n".join(text.splitlines()[-25:]))
+        lines.append(f"--- {path.name}, last lines:\n" + "\n".join(text.splitlines()[-25:]))
     return "\n".join(lines)
 
 
@@ -232,7 +235,7 @@ def test_slurm_sbatch_trains_on_two_processes_and_checkpoints(slurm, shapes_mds,
     seen = {}  # pid -> (command line, environment) of the job's processes, while they run
     deadline = time.monotonic() + 300
     while (state := _job_state(job, env)).get("JobState") in UNFINISHED:
-        assert time.monotonic() < deadline, _diagnosis(job, state, root)
+        assert time.monotonic() < deadline, _diagnosis(job, state, root, log)
         seen.update(_cluster_processes(root))
         time.sleep(0.2)
     output = log.read_text() if log.exists() else "(no job log)"
