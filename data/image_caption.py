@@ -24,9 +24,10 @@ TOKEN_CACHE_SIZE = 4096  # 4096 x 77 int64 = 2.5 MB per dataset
 
 @functools.lru_cache
 def image_transform(resolution: int, uint8: bool = False) -> SquareTransform:
-    """PIL image -> (3, R, R) in [-1, 1] (`uint8`: 0-255): resize the shorter side, center crop, as
-    torchvision's Resize + CenterCrop within one 8-bit level, faster (data/transforms.py). Training
-    and `convert latents` both use it, so precomputed latents see the same pixels."""
+    """Encoded bytes or an opened image -> (3, R, R) in [-1, 1] (`uint8`: 0-255): resize the shorter
+    side, center crop, as torchvision's Resize + CenterCrop within one 8-bit level, faster; large
+    JPEG bytes decode at a reduced DCT scale, a few levels off (data/transforms.py). Training and
+    `convert latents` both use it, so precomputed latents see the same pixels."""
     return SquareTransform(resolution, uint8)
 
 
