@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--data", default=str(REPO / "runs/throughput-shapes"), help="synthetic MDS folder, shared by ranks"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow the options
     if args.batches < 1 or args.warmup < 1:
         parser.error("--batches and --warmup must be at least 1")
     logging.basicConfig(level=logging.WARNING)

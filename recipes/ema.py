@@ -48,10 +48,12 @@ def _batches(value, name: str) -> int:
 def _drop_gathered_weights(root: torch.nn.Module) -> None:
     """Make FSDP gather the shards again at the next forward. It keeps gathered weights after a
     forward when it expects a backward (SHARD_GRAD_OP, the root; also after a no-grad evaluation),
-    and a forward reuses them, so weights written into the shards meanwhile would go unseen."""
+    and a forward reuses them, so weights written into the shards meanwhile would go unseen.
+    Unsharded handles (NO_SHARD: FSDP's choice on one process) have nothing to drop: their
+    parameters are the flat parameter itself (found by `make gpu-check` on one GPU)."""
     for module in FSDP.fsdp_modules(root):
         handle = module._handle
-        if handle is not None and not handle.needs_unshard():
+        if handle is not None and handle.uses_sharded_strategy and not handle.needs_unshard():
             _reshard(module, handle, True)
 
 

@@ -54,7 +54,11 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     if run.prepare_pretrained is not None:
         prepare_pretrained(run.model.get("pretrained"), run.prepare_pretrained)
 
-    trainer = Trainer(**trainer_kwargs(run, world_size))
+    kwargs = trainer_kwargs(run, world_size)
+    fsdp = run.trainer.get("parallelism_config") and run.trainer.get("device") != "cpu"
+    if fsdp and torch.cuda.is_available():
+        place_unsharded(kwargs["model"], torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+    trainer = Trainer(**kwargs)
     trainer.state.callbacks.append(RestoreRngOnResume(trainer))
     trainer.state.callbacks.append(IsolateEvalRng())  # evaluating leaves training's random draws unchanged
     params = redact(dataclasses.asdict(run))  # what wandb/MLflow show: masked (recipes/secrets.py)
@@ -63,6 +67,16 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
         # compared and filtered across runs.
         destination.log_hyperparameters(_flat(params) if isinstance(destination, MLFlowLogger) else params)
     return trainer
+
+
+def place_unsharded(model: torch.nn.Module, device: torch.device) -> None:
+    """Move the children FSDP leaves alone (`_fsdp_wrap = False`: the frozen VAE and text encoder) to
+    `device`. Under FSDP, Composer moves only the modules it wraps (composer/distributed/
+    dist_strategy.py skips the others and the Trainer skips `module_to_device`), so these stayed on
+    the CPU and the first caption dropout failed on the GPU (found by `make gpu-check`)."""
+    for child in model.children():
+        if getattr(child, "_fsdp_wrap", True) is False:
+            child.to(device)
 
 
 def _flat(params: dict, prefix: str = "") -> dict:

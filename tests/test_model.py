@@ -284,6 +284,13 @@ def test_speed_and_memory_switches():
     default = build_model("tiny")
     assert all(isinstance(p, AttnProcessor2_0) for p in default.unet.attn_processors.values())
     assert default.unet._fsdp_wrap and not default.vae._fsdp_wrap and not default.text_encoder._fsdp_wrap
+    # Composer's FSDP moves only what it wraps; the trainer moves the rest (meta: no GPU here).
+    from recipes.trainer import place_unsharded
+
+    place_unsharded(default, torch.device("meta"))
+    frozen = [*default.vae.parameters(), *default.text_encoder.parameters()]
+    assert {p.device.type for p in frozen} == {"meta"}
+    assert {p.device.type for p in default.unet.parameters()} == {"cpu"}
     model = build_model(
         "tiny",
         gradient_checkpointing=True,
