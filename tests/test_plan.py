@@ -182,6 +182,7 @@ def test_throughput_benchmark_writes_what_the_planner_reads(shapes_mds, tmp_path
         "~model.pretrained_components",
         "~model.low_precision_norms",
         "global_train_batch_size=8",
+        "trainer.device_train_microbatch_size=8",
         "data.train.resolution=32",
         "data.train.num_workers=0",
         "data.train.num_canonical_nodes=1",

@@ -73,6 +73,7 @@ def test_stage_two_differs_from_stage_one_only_where_intended():
         "run_name",
         "data.train.resolution",
         "trainer.max_duration",
+        "trainer.device_train_microbatch_size",
         "trainer.load_path",
         "trainer.load_weights_only",
         "algorithms.ema._target_",
@@ -119,10 +120,10 @@ def test_sd2_base_wiring_trains_on_the_tiny_preset(shapes_mds, tmp_path):
     }
     assert (kwargs["max_duration"], kwargs["save_interval"]) == ("550000ba", "10000ba")
     assert (kwargs["run_name"], kwargs["seed"]) == ("sd2-base-256", 17)
-    # Batch split on 8 devices: 2048 / 8 = 256 images per device, microbatches of 8, 32 accumulation steps.
+    # Batch split on 8 devices: 2048 / 8 = 256 images per device, microbatches of 32, 8 accumulation steps.
     loader = kwargs["train_dataloader"]
     assert loader.batch_size == loader.dataset.batch_size == 256
-    assert kwargs["device_train_microbatch_size"] == 8
+    assert kwargs["device_train_microbatch_size"] == 32
     assert loader.num_workers == 8 and loader.drop_last and kwargs["eval_dataloader"] is None
     dataset = loader.dataset
     assert isinstance(dataset, ImageCaptionDataset) and not dataset.hflip and dataset.shuffle
