@@ -46,6 +46,7 @@ VARIANTS = {  # name -> overrides on top of the recipe; the first is the baselin
     ],
     "2x microbatch": ["MICROBATCH_X2"],
 }
+PLAIN = "plain PyTorch loop, 1 GPU (the ceiling)"
 DATA = ["data.train.prepare=sd2-latents", "data.train.latents=true", "data.train.num_workers=4"]
 
 
@@ -115,7 +116,54 @@ def peak_flops() -> float:
     return float("nan")
 
 
+def plain_loop(preset: str, resolution: int, batch: int, steps: int = 20, warmup: int = 5, device="cuda"):
+    """(img/s, peak GB) of a plain PyTorch loop over the recipe's model, the ceiling the training
+    path is compared with: `model.loss(model(batch))`, backward, fused AdamW, bf16 autocast on CUDA,
+    on batches already on the device; no Composer, FSDP, callbacks or data loader."""
+    import torch
+
+    from models import build_model
+
+    device = torch.device(device)
+    torch.manual_seed(0)
+    model = build_model(preset).to(device)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+    size = resolution // 2 ** (len(model.vae.config.block_out_channels) - 1)
+    moments = 2 * model.unet.config.in_channels  # the VAE's mean and log-variance, as convert latents writes
+    width = model.text_encoder.config.hidden_size
+    data = {
+        "latents": torch.randn(batch, moments, size, size, device=device),
+        "text_embeds": torch.randn(batch, 77, width, device=device),
+    }
+
+    def step():
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model.loss(model(data), data)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    img_s = batch * steps / (time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
+    model = optimizer = data = None  # free the GPU for the next variants (own processes)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return img_s, peak
+
+
 def part_throughput(n: int, out: Path, quick: bool, only: list[str] | None = None) -> list[dict]:
+    from models.flops import mfu, training_flops_per_image
+
     batches = 10 if quick else 20
     names = list(VARIANTS)[:1] if quick else list(VARIANTS)
     if only:  # the baseline always runs: every ratio in the table is against it
@@ -134,6 +182,12 @@ def part_throughput(n: int, out: Path, quick: bool, only: list[str] | None = Non
         if done:
             top = max(done, key=lambda r: r["img_s"])
             (out / f"throughput-{resolution}.json").write_text(Path(top["file"]).read_text())
+    micro = MICROBATCH[256]  # last: this process then holds the GPU only while no variant runs
+    img_s, peak = plain_loop("sd2-base", 256, micro, steps=batches)
+    rows.append(
+        {"variant": PLAIN, "resolution": 256, "microbatch": micro, "ok": True, "img_s": img_s,
+         "memory_gb": peak, "mfu": mfu(img_s, training_flops_per_image("sd2-base", 256), peak_flops())}
+    )  # fmt: skip
     return rows
 
 
@@ -253,6 +307,10 @@ def table(rows: list[dict]) -> str:
             f"| {memory} | {r['img_s'] / anchor:.2f}x |"
         )
     anchors = "; ".join(f"{px} px: {v:g} img/s ({why})" for px, (v, why) in ANCHORS.items())
+    ceiling = next((r for r in rows if r["variant"] == PLAIN), None)
+    base = next((r for r in rows if r["ok"] and r["variant"] != PLAIN and r["resolution"] == 256), None)
+    if ceiling and base and base["microbatch"] == ceiling["microbatch"]:
+        anchors += f". {base['variant']} / plain loop at 256 px: {base['img_s'] / ceiling['img_s']:.2f}x"
     return "\n".join(lines) + f"\n\nAnchors: {anchors}. Moonshot: 50% MFU.\n"
 
 
