@@ -45,6 +45,10 @@ VARIANTS = {  # name -> overrides on top of the recipe; the first is the baselin
         "MICROBATCH_X2",
     ],
     "2x microbatch": ["MICROBATCH_X2"],
+    # The first H100 run was launch-bound at 0.58x a plain loop (README "GPU figures"); these two
+    # tell what FSDP's hooks (DDP on several GPUs, nothing on one) and the norms' casts cost.
+    "DDP, no FSDP": ["~trainer.parallelism_config"],
+    "no low-precision norms": ["model.low_precision_norms=null"],
 }
 PLAIN = "plain PyTorch loop, 1 GPU (the ceiling)"
 DATA = ["data.train.prepare=sd2-latents", "data.train.latents=true", "data.train.num_workers=4"]
