@@ -25,7 +25,9 @@ class LatentsDataset(StreamingDataset):
             raise KeyError(
                 f"no {self.column} column in this dataset (it has {have}); convert at this resolution"
             )
+        # One copy into writable float32 memory: from_numpy(...).float() kept fp32 columns in the
+        # read-only sample buffer (a UserWarning in every worker, seen on the first GPU run).
         return {
-            "latents": torch.from_numpy(sample[self.column]).float(),
-            "text_embeds": torch.from_numpy(sample["text_embeds"]).float(),
+            "latents": torch.tensor(sample[self.column], dtype=torch.float32),
+            "text_embeds": torch.tensor(sample["text_embeds"], dtype=torch.float32),
         }

@@ -2,6 +2,7 @@
 sd2-base config (so a GPU session does not spend its time on a typo)."""
 
 import importlib.util
+import warnings
 
 import numpy as np
 import pytest
@@ -46,7 +47,10 @@ def test_e2e_config_keeps_the_recipe_and_adds_ema(tmp_path):
 def test_sd2_latents_are_shaped_like_convert_latents(tmp_path):
     local = prepare_sd2_latents(tmp_path / "latents", n=3, resolutions=(256,))
     assert prepare_sd2_latents(local) == local  # made once
-    sample = LatentsDataset(local=str(local), resolution=256, batch_size=1)[0]
+    dataset = LatentsDataset(local=str(local), resolution=256, batch_size=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "non-writable NumPy array" warning in every worker
+        sample = dataset[0]
     assert sample["latents"].shape == (8, 32, 32) and sample["text_embeds"].shape == (77, 1024)
     assert np.isfinite(sample["latents"].numpy()).all()
 
