@@ -127,12 +127,13 @@ def plain_loop(preset: str, resolution: int, batch: int, steps: int = 20, warmup
     import torch
 
     from models import build_model
+    from models.flops import latent_size
 
     device = torch.device(device)
     torch.manual_seed(0)
     model = build_model(preset).to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
-    size = resolution // 2 ** (len(model.vae.config.block_out_channels) - 1)
+    size = latent_size(preset, resolution)
     moments = 2 * model.unet.config.in_channels  # the VAE's mean and log-variance, as convert latents writes
     width = model.text_encoder.config.hidden_size
     data = {
