@@ -1,6 +1,7 @@
 """`make gpu-check`: the GPU path of yamls/sd2-base.yaml, measured and checked, on the GPUs at hand.
 
     python bench/gpu_check.py [--out runs/gpu-check] [--parts throughput e2e ema] [--quick]
+                                [--variants TEXT ...] [--deterministic]
 
 1. throughput: bench/throughput.py (each variant its own `composer -n GPUS` process) on sd2-base,
    bf16, precomputed latents (random, `data.prepare: sd2-latents`): img/s per GPU, MFU (UNet
@@ -9,8 +10,9 @@
    OUT/throughput-256.json / -512.json, which `recipes.plan --throughput-file` reads.
 2. e2e: the real yamls/sd2-base.yaml (overrides only for data, duration, batch, save folder, and EMA
    switched on as the 512 px stage has it) trains 50 batches under FSDP and saves at 25 and 50; a
-   second run resumes from batch 25 and must end bitwise equal (UNet and EMA); the final checkpoint
-   is exported and the pipeline generates an image.
+   second run resumes from batch 25 and must train the same losses (bitwise weights too with
+   --deterministic; bench/gpu_e2e.py says why not by default); the final checkpoint is exported and
+   the pipeline generates an image.
 3. ema: the EMA's storage variants (fp32 on the GPU, bf16, CPU offload) give the same average.
 Prints a markdown table with the anchors' ratios; exits non-zero if a check fails. Without CUDA
 it exits at once with one line. Needs no network: the weights are random.
@@ -26,6 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # not bench/: its convert.py would shadow the convert package
+
+from bench.gpu_e2e import DATA, part_e2e  # noqa: E402 (after the path fix)
 
 ANCHORS = {  # img/s per GPU to reach, and where the number comes from
     256: (440.0, "MosaicML's 23.8% MFU on A100 carried to H100"),
@@ -51,7 +55,6 @@ VARIANTS = {  # name -> overrides on top of the recipe; the first is the baselin
     "no low-precision norms": ["model.low_precision_norms=null"],
 }
 PLAIN = "plain PyTorch loop, 1 GPU (the ceiling)"
-DATA = ["data.train.prepare=sd2-latents", "data.train.latents=true", "data.train.num_workers=4"]
 
 
 def gpus() -> int:
@@ -196,68 +199,6 @@ def part_throughput(n: int, out: Path, quick: bool, only: list[str] | None = Non
     return rows
 
 
-def e2e_overrides(n: int, out: Path) -> list[str]:
-    """yamls/sd2-base.yaml as it is, but for data, duration, batch, saving and EMA (on, as at 512 px)."""
-    return [
-        *DATA, f"data.train.local={out / 'latents'}", "data.train.remote=null", "data.train.resolution=256",
-        "model.pretrained=null", "prepare_pretrained=null", "~loggers.wandb", "callbacks.samples=null",
-        f"global_train_batch_size={8 * n}", "trainer.device_train_microbatch_size=8",
-        "trainer.max_duration=50ba", "trainer.save_interval=25ba", "trainer.save_num_checkpoints_to_keep=-1",
-        "+algorithms.ema._target_=recipes.ema.EMA", "+algorithms.ema.smoothing=0.99",
-        "data.train.num_canonical_nodes=1", "trainer.progress_bar=false",
-    ]  # fmt: skip
-
-
-def part_e2e(n: int, out: Path) -> list[str]:
-    """Problems found (empty when all held)."""
-    import torch
-
-    base = ["train.py", "yamls/sd2-base.yaml", *e2e_overrides(n, out)]
-    problems = []
-    first, second = out / "e2e-a", out / "e2e-b"
-    done = composer(n, [*base, f"trainer.save_folder={first}"], out / "e2e-a.log", timeout=1800)
-    if done.returncode != 0:
-        return [f"training failed (exit {done.returncode}); see {out / 'e2e-a.log'}"]
-    second.mkdir(parents=True, exist_ok=True)
-    (second / "ep0-ba25-rank0.pt").symlink_to(first / "ep0-ba25-rank0.pt")
-    (second / "latest-rank0.pt").symlink_to("ep0-ba25-rank0.pt")
-    done = composer(n, [*base, f"trainer.save_folder={second}"], out / "e2e-b.log", timeout=1800)
-    if done.returncode != 0:
-        return [f"resumed training failed (exit {done.returncode}); see {out / 'e2e-b.log'}"]
-    a = torch.load(first / "ep0-ba50-rank0.pt", map_location="cpu", weights_only=False, mmap=True)["state"]
-    b = torch.load(second / "ep0-ba50-rank0.pt", map_location="cpu", weights_only=False, mmap=True)["state"]
-    for key in ("model", "algorithms"):
-        if repr(_flat(a[key])) != repr(_flat(b[key])) or not all(
-            torch.equal(x, y) for x, y in zip(_flat(a[key]).values(), _flat(b[key]).values())
-        ):
-            problems.append(f"resume from batch 25 is not bitwise equal to the uninterrupted run ({key})")
-    export = out / "pipeline"
-    done = subprocess.run(
-        [sys.executable, "-m", "models.export", str(first / "ep0-ba50-rank0.pt"), str(export), "--ema"],
-        cwd=REPO, capture_output=True, text=True,
-    )  # fmt: skip
-    if done.returncode != 0:
-        return [*problems, f"export failed: {done.stderr[-500:]}"]
-    from diffusers import StableDiffusionPipeline
-
-    pipe = StableDiffusionPipeline.from_pretrained(export, torch_dtype=torch.bfloat16).to("cuda")
-    image = pipe("a photo", num_inference_steps=10, height=256, width=256).images[0]
-    image.save(out / "e2e-image.png")
-    return problems
-
-
-def _flat(tree, prefix="") -> dict:
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree}
-    if isinstance(tree, dict):
-        return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}/{key}").items()}
-    if isinstance(tree, list | tuple):
-        return {k: v for i, value in enumerate(tree) for k, v in _flat(value, f"{prefix}/{i}").items()}
-    return {}
-
-
 def part_ema() -> tuple[list[str], dict[str, float]]:
     """The average of 20 updates of sd2-base's UNet shape, per storage variant, against fp32, and
     each variant's median milliseconds per update (the offload trade-off: host memory vs time)."""
@@ -329,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants", nargs="+", metavar="TEXT", help="only the variants whose name contains one of these"
     )
+    parser.add_argument(
+        "--deterministic", action="store_true",
+        help="e2e in Composer's deterministic mode, where the resume must be bitwise (slower kernels)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     n = gpus()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -349,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         print("EMA ms per update: " + ", ".join(f"{name} {value:.1f}" for name, value in ms.items()))
         problems += found
     if "e2e" in args.parts:
-        found = part_e2e(n, args.out)
+        found, lines = part_e2e(n, args.out, composer, args.deterministic)
+        print("\n".join(lines))
         print("sd2-base train/save/resume/export/generate: " + ("ok" if not found else "; ".join(found)))
         problems += found
     for problem in problems:

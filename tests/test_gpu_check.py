@@ -2,6 +2,7 @@
 sd2-base config (so a GPU session does not spend its time on a typo)."""
 
 import importlib.util
+import sys
 import warnings
 
 import numpy as np
@@ -16,6 +17,7 @@ from tests.conftest import REPO
 spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench/gpu_check.py")
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
+gpu_e2e = sys.modules["bench.gpu_e2e"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
@@ -36,12 +38,47 @@ def test_every_variant_is_a_valid_config(variant, resolution):
     assert run.trainer["device_train_microbatch_size"] == micro and run.global_train_batch_size == 8 * micro
 
 
-def test_e2e_config_keeps_the_recipe_and_adds_ema(tmp_path):
-    overrides = [*gpu_check.e2e_overrides(2, tmp_path), f"trainer.save_folder={tmp_path}"]
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_e2e_config_keeps_the_recipe_and_adds_ema(tmp_path, deterministic):
+    overrides = [*gpu_e2e.e2e_overrides(2, tmp_path), *gpu_e2e.run_overrides(tmp_path, deterministic)]
     run = parse_config(load_config(REPO / "yamls/sd2-base.yaml", overrides))
     assert run.model["preset"] == "sd2-base" and run.model["fsdp_wrap"] == "blocks"
     assert set(run.algorithms) == {"gradient_clipping", "ema"} and not run.loggers
     assert run.trainer["parallelism_config"]["fsdp"]["sharding_strategy"] == "SHARD_GRAD_OP"
+    assert run.callbacks["loss_log"]["path"] == str(tmp_path / "loss.jsonl")
+    assert run.trainer.get("deterministic_mode", False) is deterministic
+
+
+def _e2e_runs(tmp_path, loss_b_shift=0.0, weight_noise=0.0):
+    """Two fake e2e runs: loss logs as LossLog writes them and checkpoint states."""
+    torch.manual_seed(0)
+    state = {
+        "model": {"unet.w": torch.randn(4, 4), "step": torch.tensor(3)},
+        "algorithms": {"ema": [torch.ones(2)]},
+    }
+    other = {
+        "model": {"unet.w": state["model"]["unet.w"] + weight_noise, "step": torch.tensor(3)},
+        "algorithms": {"ema": [torch.ones(2)]},
+    }
+    for folder, shift, batches in (("a", 0.0, range(1, 51)), ("b", loss_b_shift, range(26, 51))):
+        (tmp_path / folder).mkdir()
+        log = "\n".join(f'{{"batch": {i}, "loss": {0.5 + i / 1000 + shift}}}' for i in batches)
+        (tmp_path / folder / "loss.jsonl").write_text(log + "\n")
+    return tmp_path / "a", tmp_path / "b", state, other
+
+
+def test_e2e_accepts_kernel_noise_but_not_a_resume_that_changes_the_losses(tmp_path):
+    a, b, state, other = _e2e_runs(tmp_path, weight_noise=1e-7)
+    problems, lines = gpu_e2e.compare_runs(a, b, state, other, bitwise=False)
+    assert not problems and "model: 1 of 2 tensors differ" in "\n".join(lines)
+    problems, _ = gpu_e2e.compare_runs(a, b, state, other, bitwise=True)  # --deterministic
+    assert problems == ["model: the resume from batch 25 is not bitwise the uninterrupted run"]
+
+
+def test_e2e_flags_a_resume_whose_losses_move(tmp_path):
+    a, b, state, _ = _e2e_runs(tmp_path, loss_b_shift=0.01)  # e.g. a different data order or RNG
+    problems, _ = gpu_e2e.compare_runs(a, b, state, state, bitwise=False)
+    assert len(problems) == 1 and "losses differ" in problems[0]
 
 
 def test_sd2_latents_are_shaped_like_convert_latents(tmp_path):

@@ -1,0 +1,148 @@
+"""gpu-check's end-to-end part: the real yamls/sd2-base.yaml trains, saves, resumes, exports and
+generates on the GPUs at hand (bench/gpu_check.py --parts e2e).
+
+Run A trains 50 batches and saves at 25 and 50; run B starts from A's batch-25 checkpoint and
+trains to 50. On the CPU the resume is bitwise (tests/test_resume.py). On a GPU the backward pass
+of some kernels (cuDNN convolution weight gradients, attention) adds in an unspecified order, so
+two runs from the same state differ in the last bits of the weights even without a resume; the
+first H100 run (2026-11-24) found A and B's weights unequal and could not say more. What tells a
+resume bug from that noise is the loss: B's batch 26 starts from A's state on the same data and
+noise, so its forward pass sees the same numbers, and a wrong data order, RNG state or optimizer
+state moves every later loss by whole percents while the kernels' noise moves them by ~1e-5.
+`--deterministic` runs both with Composer's deterministic mode (torch's deterministic kernels,
+a fixed cuBLAS workspace): then the weights too must be bitwise equal.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = ["data.train.prepare=sd2-latents", "data.train.latents=true", "data.train.num_workers=4"]
+RESUME_AT, BATCHES = 25, 50
+LOSS_TOLERANCE = 1e-3  # relative; the kernels' noise after 25 batches is ~1e-5, a resume bug ~1e-2
+
+
+def e2e_overrides(n: int, out: Path) -> list[str]:
+    """yamls/sd2-base.yaml as it is, but for data, duration, batch, saving and EMA (on, as at 512 px)."""
+    return [
+        *DATA, f"data.train.local={out / 'latents'}", "data.train.remote=null", "data.train.resolution=256",
+        "model.pretrained=null", "prepare_pretrained=null", "~loggers.wandb", "callbacks.samples=null",
+        f"global_train_batch_size={8 * n}", "trainer.device_train_microbatch_size=8",
+        f"trainer.max_duration={BATCHES}ba", f"trainer.save_interval={RESUME_AT}ba",
+        "trainer.save_num_checkpoints_to_keep=-1",
+        "+algorithms.ema._target_=recipes.ema.EMA", "+algorithms.ema.smoothing=0.99",
+        "data.train.num_canonical_nodes=1", "trainer.progress_bar=false",
+    ]  # fmt: skip
+
+
+def run_overrides(folder: Path, deterministic: bool) -> list[str]:
+    log = f"+callbacks.loss_log={{_target_: recipes.callbacks.LossLog, path: {folder / 'loss.jsonl'}}}"
+    return [f"trainer.save_folder={folder}", log, *(["+trainer.deterministic_mode=true"] * deterministic)]
+
+
+def part_e2e(n: int, out: Path, composer, deterministic: bool = False) -> tuple[list[str], list[str]]:
+    """(problems found, lines to print). `composer(n, args, log, timeout)` launches one run."""
+    import os
+
+    import torch
+
+    if deterministic:  # before the processes start: cuBLAS reads it when it creates its handle
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    base = ["train.py", "yamls/sd2-base.yaml", *e2e_overrides(n, out)]
+    first, second = out / "e2e-a", out / "e2e-b"
+    done = composer(n, [*base, *run_overrides(first, deterministic)], out / "e2e-a.log", timeout=1800)
+    if done.returncode != 0:
+        return [f"training failed (exit {done.returncode}); see {out / 'e2e-a.log'}"], []
+    second.mkdir(parents=True, exist_ok=True)
+    start = f"ep0-ba{RESUME_AT}-rank0.pt"
+    (second / start).symlink_to(first / start)
+    (second / "latest-rank0.pt").symlink_to(start)
+    done = composer(n, [*base, *run_overrides(second, deterministic)], out / "e2e-b.log", timeout=1800)
+    if done.returncode != 0:
+        return [f"resumed training failed (exit {done.returncode}); see {out / 'e2e-b.log'}"], []
+    end = f"ep0-ba{BATCHES}-rank0.pt"
+    a = torch.load(first / end, map_location="cpu", weights_only=False, mmap=True)["state"]
+    b = torch.load(second / end, map_location="cpu", weights_only=False, mmap=True)["state"]
+    problems, lines = compare_runs(first, second, a, b, bitwise=deterministic)
+    (first / start).unlink()  # 15 GB each: the export below needs only the last one
+    found, more = export_and_generate(first / end, out)
+    return problems + found, lines + more
+
+
+def compare_runs(first: Path, second: Path, a: dict, b: dict, bitwise: bool) -> tuple[list[str], list[str]]:
+    """Run B (resumed) against run A (uninterrupted): every resumed batch's loss, then the
+    checkpoints' `model` and `algorithms` (EMA) state. (problems, lines to print)."""
+    from recipes.callbacks import read_loss_log
+
+    loss_a, loss_b = read_loss_log(first / "loss.jsonl"), read_loss_log(second / "loss.jsonl")
+    resumed = range(RESUME_AT + 1, BATCHES + 1)
+    if missing := [i for i in resumed if i not in loss_a or i not in loss_b]:
+        return [f"loss logs lack batches {missing[:5]}"], []
+    rel = {i: abs(loss_a[i] - loss_b[i]) / max(abs(loss_a[i]), 1e-12) for i in resumed}
+    first_batch = resumed[0]
+    lines = [
+        f"resumed batch {first_batch}: loss {loss_a[first_batch]:.8g} (A) vs {loss_b[first_batch]:.8g} (B)"
+        + (" equal" if loss_a[first_batch] == loss_b[first_batch] else ""),
+        f"batches {first_batch}-{BATCHES}: largest relative loss difference {max(rel.values()):.2e}",
+    ]
+    problems = []
+    if max(rel.values()) > (0 if bitwise else LOSS_TOLERANCE):
+        worst = max(rel, key=rel.get)
+        problems.append(f"the resumed run's losses differ (relative) (batch {worst}: {rel[worst]:.1e})")
+    for key in ("model", "algorithms"):
+        diff, unequal, total = state_difference(a[key], b[key])
+        if diff is None:
+            problems.append(f"{key}: the two checkpoints hold differently named or shaped tensors")
+            continue
+        lines.append(f"{key}: {unequal} of {total} tensors differ, largest |A-B| {diff:.2e}")
+        if bitwise and unequal:
+            problems.append(f"{key}: the resume from batch {RESUME_AT} is not bitwise the uninterrupted run")
+    return problems, lines
+
+
+def state_difference(a: dict, b: dict) -> tuple[float | None, int, int]:
+    """(largest absolute difference over all tensors, or None when names or shapes differ; how many
+    tensors are not bitwise equal; how many there are)."""
+    import torch
+
+    flat_a, flat_b = _flat(a), _flat(b)
+    if flat_a.keys() != flat_b.keys() or any(flat_a[k].shape != flat_b[k].shape for k in flat_a):
+        return None, len(flat_a), len(flat_a)
+    largest, unequal = 0.0, 0
+    for key, x in flat_a.items():
+        y = flat_b[key]
+        if not torch.equal(x, y):
+            unequal += 1
+            largest = max(largest, (x.double() - y.double()).abs().max().item())
+    return largest, unequal, len(flat_a)
+
+
+def export_and_generate(checkpoint: Path, out: Path) -> tuple[list[str], list[str]]:
+    import torch
+
+    export = out / "pipeline"
+    done = subprocess.run(
+        [sys.executable, "-m", "models.export", str(checkpoint), str(export), "--ema"],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode != 0:
+        return [f"export failed: {done.stderr[-500:]}"], []
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(export, torch_dtype=torch.bfloat16).to("cuda")
+    image = pipe("a photo", num_inference_steps=10, height=256, width=256).images[0]
+    image.save(out / "e2e-image.png")
+    return [], [f"exported and generated {out / 'e2e-image.png'}"]
+
+
+def _flat(tree, prefix="") -> dict:
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}/{key}").items()}
+    if isinstance(tree, list | tuple):
+        return {k: v for i, value in enumerate(tree) for k, v in _flat(value, f"{prefix}/{i}").items()}
+    return {}
