@@ -2,7 +2,7 @@
 
 Two paths:
 - fast: a whole 8-bit RGB/grey/palette JPEG or PNG without EXIF that needs no resize keeps its original
-  bytes after a header check (convert.headers), never decoded or re-encoded;
+  bytes after a header check (data.headers), never decoded or re-encoded;
 - careful: everything else is opened and fully decoded with PIL, which catches truncated and corrupt
   data, then repaired (CMYK, 16-bit, transparency, EXIF orientation -> plain RGB), resized and
   re-encoded only if something changed.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps
 
-from convert.headers import Header, sniff
+from data.headers import Header, sniff
 
 ORIENTATION_TAG = 0x0112
 PASS_MODES = {"RGB", "L", "P", "1"}  # what a reader's convert("RGB") turns into the right pixels

@@ -3,7 +3,7 @@
 
 `square_pixels(image, R)` is torchvision's Resize(R) (bilinear, antialiased: the shorter side to R)
 then CenterCrop(R), as uint8 and in a third to a half of the time:
-- JPEG bytes (what `sd-convert` stores) have their size read by `convert.headers.sniff` (PIL's
+- JPEG bytes (what `sd-convert` stores) have their size read by `data.headers.sniff` (PIL's
   header parse costs ~0.13 ms a sample) and decode with torchvision's `decode_jpeg` straight into a
   tensor: the same pixels as PIL (both libjpeg-turbo; tested bit-equal), 1.3-1.8x faster than PIL's
   decode plus its copy into an array.
@@ -34,7 +34,7 @@ from PIL import Image
 from torch.nn import functional as F
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from convert.headers import sniff
+from data.headers import sniff
 from models.pixels import to_float
 
 JPEG_MODES = ("RGB", "L")  # what decode_jpeg and PIL turn into the same RGB; CMYK and others go through PIL

@@ -32,8 +32,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_per_session():
+    """Session fixtures too run one torch thread (autouse: before the others of the session). CPU
+    convolutions give different last bits on 1 and 2 threads, so `plain_latents`, built in-process,
+    would not equal `--workers 2`'s one-thread output when its test happened to build it first."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
-def one_thread():
+def one_thread(one_thread_per_session):
     """Every test runs one torch thread: pytest-xdist runs a worker per core, and two threads on a
     shared 2-core machine ran the tiny model ~40x slower than one (tests/test_nan_guard.py)."""
     import torch

@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 
 from convert.common import BASE_COLUMNS, LAION_COLUMNS, Skipped
-from convert.headers import sniff
 from convert.images import ImageOptions, SkipSample, prepare_image
 from convert.samples import Options, bucket_name, clean_caption, prepare
+from data.headers import sniff
 from tests.convert_fixtures import (
     close,
     encode,
