@@ -1,7 +1,8 @@
 """`make gpu-check`: the GPU path of yamls/sd2-base.yaml, measured and checked, on the GPUs at hand.
 
     python bench/gpu_check.py [--out runs/gpu-check] [--parts throughput e2e ema] [--quick]
-                                [--variants TEXT ...] [--deterministic]
+                                [--variants TEXT ...] [--resolutions 256 512]
+                                [--deterministic]
 
 1. throughput: bench/throughput.py (each variant its own `composer -n GPUS` process) on sd2-base,
    bf16, precomputed latents (random, `data.prepare: sd2-latents`): img/s per GPU, MFU (UNet
@@ -169,7 +170,9 @@ def plain_loop(preset: str, resolution: int, batch: int, steps: int = 20, warmup
     return img_s, peak
 
 
-def part_throughput(n: int, out: Path, quick: bool, only: list[str] | None = None) -> list[dict]:
+def part_throughput(
+    n: int, out: Path, quick: bool, only: list[str] | None = None, resolutions=(256, 512)
+) -> list[dict]:
     from models.flops import mfu, training_flops_per_image
 
     batches = 10 if quick else 20
@@ -177,19 +180,25 @@ def part_throughput(n: int, out: Path, quick: bool, only: list[str] | None = Non
     if only:  # the baseline always runs: every ratio in the table is against it
         names = [names[0], *(name for name in VARIANTS if name != names[0] and any(o in name for o in only))]
     rows = []
-    for name in names:
-        rows.append(throughput(n, out, 256, name, VARIANTS[name], batches))
+
+    def measure(resolution: int, name: str) -> None:
+        rows.append(throughput(n, out, resolution, name, VARIANTS[name], batches))
         print(f"measured: {rows[-1]}", flush=True)  # a run cut short still shows what it measured
-    good = [r for r in rows if r["ok"]]
-    best = max(good, key=lambda r: r["img_s"], default=None)
-    rows.append(throughput(n, out, 512, names[0], VARIANTS[names[0]], batches))
-    if best is not None and best["variant"] != names[0]:
-        rows.append(throughput(n, out, 512, best["variant"], VARIANTS[best["variant"]], batches))
+
+    if 256 in resolutions:
+        for name in names:
+            measure(256, name)
+    if 512 in resolutions:  # the baseline and 256 px's best, or the chosen variants when 256 did not run
+        best = max((r for r in rows if r["ok"]), key=lambda r: r["img_s"], default=None)
+        for name in dict.fromkeys([names[0], best["variant"]] if best else names):
+            measure(512, name)
     for resolution in (256, 512):
         done = [r for r in rows if r["ok"] and r["resolution"] == resolution]
         if done:
             top = max(done, key=lambda r: r["img_s"])
             (out / f"throughput-{resolution}.json").write_text(Path(top["file"]).read_text())
+    if 256 not in resolutions:
+        return rows
     micro = MICROBATCH[256]  # last: this process then holds the GPU only while no variant runs
     img_s, peak = plain_loop("sd2-base", 256, micro, steps=batches)
     rows.append(
@@ -271,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", nargs="+", metavar="TEXT", help="only the variants whose name contains one of these"
     )
     parser.add_argument(
+        "--resolutions", nargs="+", type=int, choices=(256, 512), default=[256, 512],
+        help="throughput at these: 512 px runs the baseline and 256 px's best (or --variants alone)",
+    )  # fmt: skip
+    parser.add_argument(
         "--deterministic", action="store_true",
         help="e2e in Composer's deterministic mode, where the resume must be bitwise (slower kernels)",
     )  # fmt: skip
@@ -283,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# gpu-check {time.strftime('%Y-%m-%d')}: {n} x {device}, torch {torch.__version__}")
     problems = []
     if "throughput" in args.parts:
-        rows = part_throughput(n, args.out, args.quick, args.variants)
+        rows = part_throughput(n, args.out, args.quick, args.variants, args.resolutions)
         print(table(rows))
         problems += [
             f"throughput variant failed: {r['variant']} at {r['resolution']} px" for r in rows if not r["ok"]

@@ -108,3 +108,41 @@ def test_table_reports_the_training_path_against_the_plain_loop():
     ]  # fmt: skip
     text = gpu_check.table(rows)
     assert "baseline / plain loop at 256 px: 0.50x" in text and "| 200.0 | 10.0% | ? |" in text
+
+
+@pytest.mark.parametrize(
+    "resolutions, only, expected",
+    [
+        (
+            (256, 512),
+            ["compile"],
+            [(256, "base"), (256, "compile"), (512, "base"), (512, "compile"), "plain"],
+        ),
+        ((256,), ["compile"], [(256, "base"), (256, "compile"), "plain"]),
+        ((512,), ["compile"], [(512, "base"), (512, "compile")]),  # no 256 px best: the chosen ones
+    ],
+)
+def test_throughput_runs_what_was_asked_within_one_device_call(
+    monkeypatch, tmp_path, resolutions, only, expected
+):
+    """A device call is capped at 10 minutes and each variant takes 75-100 s, so --variants and
+    --resolutions decide what runs; the 512 px rows follow 256 px's best."""
+    ran, base = [], next(iter(gpu_check.VARIANTS))
+
+    def fake_throughput(n, out, resolution, name, overrides, batches):
+        ran.append((resolution, "base" if name == base else name))
+        result = tmp_path / f"{len(ran)}.json"
+        result.write_text("{}")
+        img_s = 2.0 if name == "compile" else 1.0
+        return {"variant": name, "resolution": resolution, "microbatch": 32, "ok": True, "img_s": img_s,
+                "memory_gb": 1.0, "file": result, "mfu": 0.1}  # fmt: skip
+
+    def fake_plain_loop(*args, **kwargs):
+        ran.append("plain")
+        return 3.0, None
+
+    monkeypatch.setattr(gpu_check, "throughput", fake_throughput)
+    monkeypatch.setattr(gpu_check, "plain_loop", fake_plain_loop)
+    monkeypatch.setattr(gpu_check, "peak_flops", lambda: 1e15)
+    rows = gpu_check.part_throughput(1, tmp_path, quick=False, only=only, resolutions=resolutions)
+    assert ran == expected and len(rows) == len(expected)
