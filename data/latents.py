@@ -6,14 +6,15 @@ so training on these is the same computation as training on the images.
 """
 
 import torch
-from streaming import StreamingDataset
+
+from data.local_iteration import LocalFirstStreamingDataset
 
 
 def latents_column(resolution: int) -> str:
     return f"latents_{resolution}"
 
 
-class LatentsDataset(StreamingDataset):
+class LatentsDataset(LocalFirstStreamingDataset):
     def __init__(self, *, resolution: int, **streaming_kwargs):
         super().__init__(**streaming_kwargs)
         self.column = latents_column(resolution)

@@ -1,0 +1,89 @@
+"""data/local_iteration.py: a set with no remote is iterated without streaming's download threads, in
+exactly streaming's own sample order: shuffled, over epochs, in DataLoader workers, and when a
+mid-epoch resume continues it. A set with a remote still goes through streaming's threads."""
+
+import gc
+import shutil
+
+import pytest
+from streaming import MDSWriter
+from torch.utils.data import DataLoader
+
+from data.local_iteration import LocalFirstStreamingDataset
+
+N = 100
+
+
+class Ids(LocalFirstStreamingDataset):
+    def __getitem__(self, index):
+        return super().__getitem__(index)["id"]
+
+
+@pytest.fixture(scope="module")
+def ids_mds(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ids")
+    with MDSWriter(out=str(out), columns={"id": "int"}, size_limit=400) as writer:  # 10 shards
+        for i in range(N):
+            writer.write({"id": i})
+    assert len(list(out.glob("shard.*.mds"))) >= 5
+    return out
+
+
+def dataset(direct: bool, local, remote=None) -> Ids:
+    ids = Ids(
+        local=str(local), remote=remote, batch_size=4, shuffle=True, shuffle_seed=7, num_canonical_nodes=2
+    )
+    ids.iterate_local_directly = direct
+    return ids
+
+
+def close(ids: Ids) -> None:
+    """Stop streaming's threads (they hold the dataset, and with it its local folder) and drop it."""
+    if hasattr(ids, "_iterator"):
+        ids._iterator.exit()
+        ids._executor.shutdown(wait=True)
+    gc.collect()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_order_is_streamings_own_over_two_epochs(ids_mds, workers):
+    orders = {}
+    for direct in (False, True):
+        ids = dataset(direct, ids_mds)
+        loader = DataLoader(ids, batch_size=4, num_workers=workers)
+        orders[direct] = [[batch.tolist() for batch in loader] for _epoch in range(2)]
+        if workers == 0:  # in this process: the threads ran only when asked for
+            assert hasattr(ids, "_iterator") is not direct
+        close(ids)
+        del loader, ids
+    first, second = orders[True]
+    assert sorted(sum(first, [])) == list(range(N)) and first != second  # shuffled anew each epoch
+    assert orders[True] == orders[False]
+
+
+def test_a_mid_epoch_resume_continues_streamings_order(ids_mds):
+    runs = {}
+    for direct in (False, True):
+        ids = dataset(direct, ids_mds)
+        samples = iter(ids)
+        head = [next(samples) for _ in range(37)]
+        state = ids.state_dict(num_samples=37, from_beginning=True)
+        close(ids)
+        del samples, ids
+        resumed = dataset(direct, ids_mds)
+        resumed.load_state_dict(state)
+        runs[direct] = head, list(resumed)
+        close(resumed)
+        del resumed
+    head, tail = runs[True]
+    assert sorted(head + tail) == list(range(N)) and len(tail) == N - 37
+    assert runs[True] == runs[False]
+
+
+def test_a_remote_set_still_downloads_through_streamings_threads(ids_mds, tmp_path):
+    remote = tmp_path / "remote"
+    shutil.copytree(ids_mds, remote)
+    ids = dataset(True, tmp_path / "cache", remote=str(remote))
+    assert sorted(ids) == list(range(N))
+    assert hasattr(ids, "_iterator") and len(list((tmp_path / "cache").glob("shard.*.mds"))) >= 5
+    close(ids)
