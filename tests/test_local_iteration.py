@@ -87,3 +87,14 @@ def test_a_remote_set_still_downloads_through_streamings_threads(ids_mds, tmp_pa
     assert sorted(ids) == list(range(N))
     assert hasattr(ids, "_iterator") and len(list((tmp_path / "cache").glob("shard.*.mds"))) >= 5
     close(ids)
+
+
+def test_compressed_local_shards_are_decompressed_on_the_way(tmp_path):
+    """Without threads to decompress ahead, `get_item` does it when a shard is first read."""
+    with MDSWriter(out=str(tmp_path), columns={"id": "int"}, size_limit=400, compression="zstd") as writer:
+        for i in range(N):
+            writer.write({"id": i})
+    assert not list(tmp_path.glob("shard.*.mds")) and list(tmp_path.glob("shard.*.mds.zstd"))
+    ids = dataset(True, tmp_path)
+    assert sorted(ids) == list(range(N)) and not hasattr(ids, "_iterator")
+    close(ids)
