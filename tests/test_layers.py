@@ -11,7 +11,6 @@ file models/build.py when there is one, else the package models).
 """
 
 import ast
-import time
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -135,10 +134,8 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def test_packages_import_only_to_their_left():
-    start = time.perf_counter()
     bad = upward_edges(REPO)
     assert not bad, f"imports against the order {' < '.join(LAYERS)}:\n" + "\n".join(bad)
-    assert time.perf_counter() - start < 1.0  # cheap enough to run on every change
 
 
 def test_no_import_cycles():
