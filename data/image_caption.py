@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import functional as F
 
-from data.local_iteration import LocalFirstStreamingDataset
+from data.streaming_base import StreamingBase
 from data.transforms import SquareTransform, square_pixels
 from models.tokenizer import CaptionEncoder
 
@@ -48,7 +48,7 @@ def cover_crop(image: bytes | Image.Image, height: int, width: int) -> torch.Ten
     return F.normalize(pixels, [0.5], [0.5])
 
 
-class ImageCaptionDataset(LocalFirstStreamingDataset):
+class ImageCaptionDataset(StreamingBase):
     def __init__(
         self,
         *,

@@ -7,14 +7,14 @@ so training on these is the same computation as training on the images.
 
 import torch
 
-from data.local_iteration import LocalFirstStreamingDataset
+from data.streaming_base import StreamingBase
 
 
 def latents_column(resolution: int) -> str:
     return f"latents_{resolution}"
 
 
-class LatentsDataset(LocalFirstStreamingDataset):
+class LatentsDataset(StreamingBase):
     def __init__(self, *, resolution: int, **streaming_kwargs):
         super().__init__(**streaming_kwargs)
         self.column = latents_column(resolution)

@@ -1,20 +1,21 @@
-"""data/local_iteration.py: a set with no remote is iterated without streaming's download threads, in
+"""data/streaming_base.py: a set with no remote is iterated without streaming's download threads, in
 exactly streaming's own sample order: shuffled, over epochs, in DataLoader workers, and when a
 mid-epoch resume continues it. A set with a remote still goes through streaming's threads."""
 
 import gc
+import multiprocessing
 import shutil
 
 import pytest
 from streaming import MDSWriter
 from torch.utils.data import DataLoader
 
-from data.local_iteration import LocalFirstStreamingDataset
+from data.streaming_base import StreamingBase
 
 N = 100
 
 
-class Ids(LocalFirstStreamingDataset):
+class Ids(StreamingBase):
     def __getitem__(self, index):
         return super().__getitem__(index)["id"]
 
@@ -98,3 +99,32 @@ def test_compressed_local_shards_are_decompressed_on_the_way(tmp_path):
     ids = dataset(True, tmp_path)
     assert sorted(ids) == list(range(N)) and not hasattr(ids, "_iterator")
     close(ids)
+
+
+def _build_datasets(locals_: list[str], start, failures) -> None:
+    """In a fresh process (spawn: no conftest, so no retry): build a dataset per folder, kept."""
+    kept = []
+    start.wait(timeout=60)
+    for local in locals_:
+        try:
+            kept.append(StreamingBase(local=local, batch_size=1))
+        except FileExistsError:
+            failures.put(local)
+
+
+@pytest.mark.slow
+def test_jobs_starting_together_on_one_host_each_get_a_prefix(ids_mds, tmp_path):
+    """Three processes building eight datasets each at the same moment: with streaming's own class
+    0-2 of each process's creates failed (FileExistsError on the same prefix); none here."""
+    ctx = multiprocessing.get_context("spawn")
+    start, failures = ctx.Barrier(3), ctx.Queue()
+    jobs = []
+    for job in range(3):
+        folders = [str(shutil.copytree(ids_mds, tmp_path / f"{job}-{i}")) for i in range(8)]
+        jobs.append(ctx.Process(target=_build_datasets, args=(folders, start, failures)))
+    for process in jobs:
+        process.start()
+    for process in jobs:
+        process.join(timeout=120)
+    assert [p.exitcode for p in jobs] == [0, 0, 0]
+    assert failures.empty()
