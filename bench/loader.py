@@ -131,21 +131,10 @@ def plain(items: list[tuple[bytes, str]], resolution: int) -> tuple[int, float]:
 
 
 def ours(mds: Path, resolution: int, workers: int, batch_size: int) -> tuple[int, float]:
-    for attempt in range(10):
-        try:
-            dataset = ImageCaptionDataset(
-                tokenizer=build_tokenizer(),
-                resolution=resolution,
-                hflip=True,
-                local=str(mds),
-                shuffle=False,
-                batch_size=batch_size,
-            )
-            break
-        except FileExistsError:  # streaming picked a shared-memory name another process took just then
-            if attempt == 9:
-                raise
-            time.sleep(0.5)
+    dataset = ImageCaptionDataset(
+        tokenizer=build_tokenizer(), resolution=resolution, hflip=True, local=str(mds), shuffle=False,
+        batch_size=batch_size,
+    )  # fmt: skip
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, drop_last=False)
     batches = iter(loader)
     first = next(batches)
