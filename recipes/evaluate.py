@@ -96,13 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def open_dataset(args):
-    from streaming import StreamingDataset
+    from data.streaming_base import StreamingBase
 
     remote = args.data if "://" in args.data else None
     local = (args.cache or str(args.out / "data-cache")) if remote else args.data
     if not remote and not (Path(local) / "index.json").is_file():
         raise FileNotFoundError(f"--data {args.data}: no MDS index.json there")
-    return StreamingDataset(remote=remote, local=local, shuffle=False, batch_size=1)
+    return StreamingBase(remote=remote, local=local, shuffle=False, batch_size=1)
 
 
 def choose_rows(size: int, n: int, seed: int) -> list[int]:

@@ -65,30 +65,6 @@ def no_leftover_streaming_shm():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def streaming_prefix_race_retried():
-    """Two test workers that build a StreamingDataset at the same moment can both find the same
-    shared-memory prefix free; the second one's create then fails with FileExistsError (streaming
-    0.13 probes, then creates, with no lock between jobs; seen once in `make test`, in
-    test_coco_one_row_per_image_and_per_caption). Each test worker is a job of its own with one
-    rank, so probing again, which finds the next free prefix, is what a second job would need."""
-    from streaming.base import dataset
-
-    original = dataset.get_shm_prefix
-
-    def retrying(*args, **kwargs):
-        for attempt in range(5):
-            try:
-                return original(*args, **kwargs)
-            except FileExistsError:
-                if attempt == 4:
-                    raise
-
-    dataset.get_shm_prefix = retrying
-    yield
-    dataset.get_shm_prefix = original
-
-
-@pytest.fixture(scope="session", autouse=True)
 def streaming_closes_its_probes():
     """Streaming 0.13 keeps a file descriptor open until the process exits for every shared-memory
     block it merely probes: a new StreamingDataset opens each block of every prefix in use (6 per

@@ -214,10 +214,10 @@ def serve_folder(folder: Path):
 
 
 def read_mds(local: Path, remote: str | None = None) -> list[dict]:
-    """Every row of an MDS dataset, in order, read back with StreamingDataset."""
-    from streaming import StreamingDataset
+    """Every row of an MDS dataset, in order, read back with our StreamingDataset."""
+    from data.streaming_base import StreamingBase
 
-    dataset = StreamingDataset(local=str(local), remote=remote, shuffle=False, batch_size=1)
+    dataset = StreamingBase(local=str(local), remote=remote, shuffle=False, batch_size=1)
     rows = [dataset[i] for i in range(len(dataset))]
     del dataset
     return rows

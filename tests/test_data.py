@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from streaming import StreamingDataset
 from torchvision import transforms
 
 from data.image_caption import ImageCaptionDataset, cover_crop, image_transform
 from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader
+from data.streaming_base import StreamingBase
 from data.transforms import square_pixels
 from models.pixels import to_float
 from models.tokenizer import build_tokenizer, tokenize
@@ -16,7 +16,7 @@ from models.tokenizer import build_tokenizer, tokenize
 
 def test_mds_reads_back_exactly_what_was_written(shapes_mds):
     images = sorted((shapes_mds / "images").glob("*.png"))
-    ds = StreamingDataset(local=str(shapes_mds / "mds"), shuffle=False, batch_size=1)
+    ds = StreamingBase(local=str(shapes_mds / "mds"), shuffle=False, batch_size=1)
     assert len(ds) == len(images) == 64
     for i in (0, 17, 63):
         sample = ds[i]
@@ -82,7 +82,7 @@ def test_prepared_dataset_is_built_once_and_missing_data_is_named(tmp_path):
     ensure_dataset(cfg)  # already there: not rebuilt
     assert index.stat().st_mtime_ns == first
     default_n = inspect.signature(prepare_shapes_mds).parameters["n"].default
-    assert len(StreamingDataset(local=str(tmp_path / "shapes"), batch_size=1)) == default_n
+    assert len(StreamingBase(local=str(tmp_path / "shapes"), batch_size=1)) == default_n
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes"]  # no temporary folders left
     with pytest.raises(FileNotFoundError, match="nowhere"):
         ensure_dataset(ImageCaptionDataConfig(local=str(tmp_path / "nowhere")))

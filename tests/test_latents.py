@@ -2,11 +2,11 @@
 
 import numpy as np
 import torch
-from streaming import StreamingDataset
 
 from convert.latents import _pixels, columns, iter_samples
 from convert.mds import write_mds
 from data.latents import LatentsDataset
+from data.streaming_base import StreamingBase
 from models import build_model
 from models.tokenizer import tokenize
 from recipes import build_trainer, load_config
@@ -21,8 +21,8 @@ def test_latents_round_trip_and_training(shapes_mds, tmp_path):
     )
     assert report["samples_written"] == 64
 
-    source = StreamingDataset(local=str(shapes_mds / "mds"), shuffle=False, batch_size=1)
-    written = StreamingDataset(local=str(out), shuffle=False, batch_size=1)
+    source = StreamingBase(local=str(shapes_mds / "mds"), shuffle=False, batch_size=1)
+    written = StreamingBase(local=str(out), shuffle=False, batch_size=1)
     row, src = written[5], source[5]
     assert (row["caption"], row["key"]) == (src["caption"], src["key"])
     assert row["latents_32"].dtype == np.float16 and row["latents_32"].shape == (8, 8, 8)  # mean + logvar
@@ -60,7 +60,7 @@ def test_latents_cli(shapes_mds, tmp_path, capsys):
     argv = ["latents", "--src", str(shapes_mds / "mds"), "--out", str(out), "--resolutions", "16"]
     assert main([*argv, "--preset", "tiny", "--batch-size", "32"]) == 0
     assert "1/1 inputs done (1 this run); 64 samples written" in capsys.readouterr().out
-    row = StreamingDataset(local=str(out), shuffle=False, batch_size=1)[0]
+    row = StreamingBase(local=str(out), shuffle=False, batch_size=1)[0]
     assert row["latents_16"].shape == (8, 4, 4) and row["text_embeds"].shape == (77, 32)
 
     assert main(["latents", "--src", str(tmp_path), "--out", str(tmp_path / "x"), "--resolutions", "16"]) == 1

@@ -1,6 +1,7 @@
 """data/streaming_base.py: a set with no remote is iterated without streaming's download threads, in
 exactly streaming's own sample order: shuffled, over epochs, in DataLoader workers, and when a
-mid-epoch resume continues it. A set with a remote still goes through streaming's threads."""
+mid-epoch resume continues it. A set with a remote still goes through streaming's threads. Jobs
+that start together on one host each get their own shared-memory prefix."""
 
 import gc
 import multiprocessing
