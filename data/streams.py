@@ -125,11 +125,13 @@ def read_index(remote: str | None, local: str | None, timeout: float = 60) -> di
         return json.loads(Path(local, "index.json").read_text())
     if remote is None:
         raise FileNotFoundError(f"{local} holds no MDS dataset (no index.json)")
-    from streaming.base.storage import download_file
+    # streaming 0.13's own downloader for the remote's scheme (s3, gs, oci, azure, hf, dbfs, sftp),
+    # with the credentials and endpoint streaming itself will use (S3_ENDPOINT_URL, AWS_*).
+    from streaming.base.storage import CloudDownloader
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "index.json")
-        download_file(os.path.join(remote, "index.json"), path, timeout)
+        CloudDownloader.direct_download(os.path.join(remote, "index.json"), path, timeout)
         return json.loads(Path(path).read_text())
 
 
