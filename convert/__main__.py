@@ -15,8 +15,9 @@ from convert.images import ENCODE_FORMATS
 DESCRIPTION = """Convert image-caption data to MDS shards (mosaicml-streaming), locally or to S3.
 
 Each input (a tar or parquet shard, or a chunk of a folder) becomes its own sub-dataset with a
-completion marker; rerunning the same command skips finished inputs and redoes unfinished ones, and
-the top-level index.json, merged at the end, names only finished shards. Bad samples (truncated,
+completion marker; rerunning the same command skips finished inputs and redoes unfinished ones
+(another source or other options on the same --out stop with an error), and the top-level
+index.json, merged at the end, names only finished shards. Bad samples (truncated,
 empty or non-image files, decompression bombs, unusable captions, unsafe tar paths, ...) are skipped
 and counted by reason in convert-report.json, written beside the output."""
 
@@ -36,6 +37,28 @@ SOURCES = {
     "coco": "a COCO captions json plus its image folder",
     "latents": "an MDS image-caption set (our output) -> VAE latents + text embeddings, fp16",
 }
+
+
+OVERWRITE_HELP = (
+    "first delete what an earlier conversion wrote to --out (only that), then convert everything; "
+    "without it a rerun continues the same conversion and refuses any other"
+)
+
+# Source options that change what gets written: recorded with the output (convert.identity), so a
+# rerun with other values is refused. The others (threads, timeouts, ...) change how, not what.
+SETTINGS = {
+    "folder": ("part_size",),
+    "img2dataset": ("format",),
+    "laion": ("url_col", "caption_col", "download_shard_size"),
+    "coco": ("images", "per_caption", "part_size"),
+}
+
+
+def settings(args) -> dict:
+    values = {key: getattr(args, key) for key in SETTINGS[args.source]}
+    if "images" in values:
+        values["images"] = str(Path(values["images"]).expanduser().resolve())
+    return values
 
 
 def _positive(text: str) -> int:
@@ -76,9 +99,7 @@ def _common() -> argparse.ArgumentParser:
         help="local scratch folder: laion downloads and S3 upload staging (default: a folder in the system "
         "temp dir named after --out, so reruns find it)",
     )
-    run.add_argument(
-        "--overwrite", action="store_true", help="redo inputs already finished, even with other options"
-    )
+    run.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     run.add_argument(
         "--no-progress", action="store_true", help="no progress bar (the summary line still prints)"
     )
@@ -233,9 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument(
         "--work-dir", help="local scratch folder: S3 upload staging (default: in the system temp dir)"
     )
-    lat.add_argument(
-        "--overwrite", action="store_true", help="redo inputs already finished, even with other options"
-    )
+    lat.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     lat.add_argument("--no-progress", action="store_true", help="no progress bar")
     lat.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
@@ -261,23 +280,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def inputs(args, work_dir: Path):
-    """(inputs, columns) for the chosen source."""
-    from convert import coco, folder, img2dataset_src, laion
+def columns(source: str) -> dict:
+    from convert import coco
     from convert.common import BASE_COLUMNS, LAION_COLUMNS
 
+    return {"folder": BASE_COLUMNS, "coco": coco.COLUMNS}.get(source, {**BASE_COLUMNS, **LAION_COLUMNS})
+
+
+def inputs(args, work_dir: Path):
+    """The chosen source's inputs."""
+    from convert import coco, folder, img2dataset_src, laion
+
     if args.source == "folder":
-        return folder.parts(args.src, args.part_size), BASE_COLUMNS
+        return folder.parts(args.src, args.part_size)
     if args.source == "coco":
-        return coco.parts(args.src, args.images, args.per_caption, args.part_size), coco.COLUMNS
+        return coco.parts(args.src, args.images, args.per_caption, args.part_size)
     if args.source == "img2dataset":
-        return img2dataset_src.parts(args.src, args.format), {**BASE_COLUMNS, **LAION_COLUMNS}
+        return img2dataset_src.parts(args.src, args.format)
     staging = work_dir / "downloads"
-    found = laion.parts(
+    return laion.parts(
         args.src, staging, args.url_col, args.caption_col, args.workers, args.threads, args.timeout,
         args.retries, args.download_shard_size,
     )  # fmt: skip
-    return found, {**BASE_COLUMNS, **LAION_COLUMNS}
 
 
 def options(args):
@@ -306,12 +330,24 @@ def options(args):
     )
 
 
+# This repo's top-level packages (setup.py): what -v turns to DEBUG.
+OUR_PACKAGES = ("convert", "data", "demo", "models", "recipes")
+
+
+def configure_logging(verbose: bool) -> None:
+    """INFO for everything; with -v, DEBUG for this repo's loggers only. DEBUG on the root logger
+    would also turn on every library's (PIL alone logs 50+ lines of plugin imports)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if verbose:
+        for package in OUR_PACKAGES:
+            logging.getLogger(package).setLevel(logging.DEBUG)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.verbose)
     from convert.common import ConvertError
+    from convert.identity import check, record
     from convert.pipeline import convert, default_work_dir
     from convert.report import summary_line
     from convert.storage import open_store
@@ -319,12 +355,20 @@ def main(argv=None) -> int:
     if args.source == "latents":
         return _latents(args)
     work_dir = Path(args.work_dir).expanduser() if args.work_dir else default_work_dir(args.out)
+    opts, cols = options(args), columns(args.source)
     try:
-        open_store(args.out).check()  # before any download: bad credentials should cost seconds
-        parts, columns = inputs(args, work_dir)
+        # before any download or source listing: bad credentials or a wrong --out should cost seconds
+        store = open_store(args.out)
+        store.check()
+        check(
+            store,
+            record(args.source, args.src, settings(args), opts, cols, opts.digest(cols), ()),
+            args.overwrite,
+        )
+        parts = inputs(args, work_dir)
         report = convert(
-            parts, args.out, options(args), columns, source=args.source, src=args.src, workers=args.workers,
-            work_dir=work_dir, progress=not args.no_progress, overwrite=args.overwrite,
+            parts, args.out, opts, cols, source=args.source, src=args.src, settings=settings(args),
+            workers=args.workers, work_dir=work_dir, progress=not args.no_progress, overwrite=args.overwrite,
         )  # fmt: skip
     except ConvertError as err:
         print(f"sd-convert: error: {err}", file=sys.stderr)

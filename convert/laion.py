@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from convert import img2dataset_src
+from convert.atomic import atomic_write_bytes
 from convert.common import ConvertError, Part
 from convert.samples import METADATA_NAMES
 
@@ -72,6 +74,8 @@ def parts(
     known = {alias for aliases in METADATA_NAMES.values() for alias in aliases}
     extra = [n for n in names if n.lower() in known and n not in (url_col, caption_col)]
     staging = Path(staging)
+    _claim_staging(staging, {"src": str(Path(src).expanduser().resolve()), "url_col": url_col,
+                             "caption_col": caption_col, "shard_size": shard_size})  # fmt: skip
     if finished_download(files, staging, shard_size):
         log.info("every shard of %s is already downloaded in %s", src, staging)
         return img2dataset_src.parts(staging, "webdataset")
@@ -88,6 +92,25 @@ def parts(
         number_sample_per_shard=shard_size,
     )
     return img2dataset_src.parts(staging, "webdataset")
+
+
+def _claim_staging(staging: Path, source: dict) -> None:
+    """Keep only downloads of this `source` in `staging`: the default work dir is named after --out
+    alone, and img2dataset's shard numbers and incremental mode would take another source's shards
+    for this one's. Downloads that predate this record are kept, as before. (Not a .json: img2dataset
+    reads every *.json there as a shard's.)"""
+    stamp = staging / ".sd-convert-source"
+    try:
+        found = json.loads(stamp.read_text())
+    except FileNotFoundError:
+        found = None
+    except (OSError, ValueError):
+        found = {}
+    if found is not None and found != source:
+        log.warning("%s holds downloads of another source (%s); deleting them", staging, found.get("src"))
+        shutil.rmtree(staging)
+    if found != source:
+        atomic_write_bytes(stamp, json.dumps(source).encode())
 
 
 def finished_download(files: list[Path], staging: Path, shard_size: int) -> bool:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import multiprocessing as mp
+import os
 import signal
 import tempfile
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from convert.common import ConvertError, Part, Skipped
+from convert.identity import MARKERS, REPORT, claim, record
 from convert.mds import PartWriter
 from convert.ranks import Group, share
 from convert.report import build_report, merge_indexes
@@ -35,9 +37,6 @@ from convert.samples import Options, bucket_label, prepare
 from convert.storage import LocalStore, S3Store, open_store
 
 log = logging.getLogger(__name__)
-
-MARKERS = "_done"
-REPORT = "convert-report.json"
 
 
 def write_images(part: Part, job: "Job", writer: PartWriter, progress=None) -> tuple[Counter, Counter]:
@@ -138,13 +137,17 @@ def worker_slot() -> int:
     return _WORKER.get("slot", 0)
 
 
-def _init_worker(job: Job, counter, slots) -> None:
+def _init_worker(job: Job, counter, slots, parent: int) -> None:
     # Die with the parent: a killed conversion must not leave workers writing into folders that the
     # rerun is about to clear (Linux only; elsewhere they finish their current input and exit).
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    # A parent that died between the fork and the prctl sends no signal: this worker was already
+    # adopted by another process, and would wait for work that never comes.
+    if os.getppid() != parent:
+        os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     with slots.get_lock():
         slot, slots.value = slots.value, slots.value + 1
@@ -169,7 +172,7 @@ def run_parts(todo: list[Part], job: Job, workers: int, bar: tqdm) -> Iterator[t
     # fork: workers start in milliseconds, where spawn would re-import torch (via streaming) in each
     ctx = mp.get_context("fork")
     counter, slots, shown = ctx.Value("q", 0), ctx.Value("i", 0), 0
-    init = (job, counter, slots)
+    init = (job, counter, slots, os.getpid())
     with ctx.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=init) as pool:
         results = pool.imap_unordered(_run_in_worker, todo)
         while True:
@@ -196,9 +199,10 @@ def read_markers(store, names: list[str]) -> dict[str, dict]:
         return dict(zip(present, pool.map(lambda n: store.read_json(f"{MARKERS}/{n}.json"), present)))
 
 
-def _plan(store, names: list[str], digest: str, overwrite: bool) -> dict[str, dict]:
-    """The markers of inputs already done; an error if one was converted with other options."""
-    markers = {} if overwrite else read_markers(store, names)
+def _plan(store, names: list[str], digest: str) -> dict[str, dict]:
+    """The markers of inputs already done; an error if one was converted with other options (an
+    output written before convert.identity's record, which --overwrite has cleared by now)."""
+    markers = read_markers(store, names)
     other = sorted(n for n, m in markers.items() if m.get("options") != digest)
     if other:
         raise ConvertError(
@@ -216,6 +220,7 @@ def convert(
     *,
     source: str = "",
     src: str = "",
+    settings: dict | None = None,
     workers: int = 1,
     work_dir: str | Path | None = None,
     progress: bool = True,
@@ -224,6 +229,10 @@ def convert(
     group: Group | None = None,
 ) -> dict:
     """Convert every input not yet done, merge the index, write and return the report.
+
+    `source`, `src`, `settings` (source options that change the output) and `options` identify the
+    conversion (convert.identity): a rerun continues only the same one; `overwrite` first deletes
+    whatever conversion the output holds.
 
     Under a `group` of several ranks each converts its share (`share`) with `workers` processes;
     rank 0 alone checks the output, holds its lock, reads the markers, merges and writes the report,
@@ -244,7 +253,8 @@ def convert(
             try:
                 store.check()
                 held.enter_context(store.lock())
-                plan = _plan(store, names, digest, overwrite)
+                claim(store, record(source, src, settings or {}, options, columns, digest, names), overwrite)
+                plan = _plan(store, names, digest)
             except ConvertError as err:
                 if group.world == 1:
                     raise

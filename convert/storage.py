@@ -21,6 +21,26 @@ from convert.common import ConvertError
 
 log = logging.getLogger(__name__)
 
+LOCK = ".sd-convert.lock"
+
+# Descriptors of the output locks this process holds. flock belongs to the open file description,
+# which fork shares: a child holding a copy keeps the lock for as long as it lives, even after the
+# parent is gone. Children therefore close their copies first thing after the fork; closing a copy
+# never unlocks the parent's (an explicit LOCK_UN would, so children must not unlock).
+_HELD_LOCKS: set[int] = set()
+
+
+def _drop_inherited_locks() -> None:
+    for fd in _HELD_LOCKS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
 
 def open_store(out: str) -> "LocalStore | S3Store":
     if out.startswith("s3://"):
@@ -45,17 +65,38 @@ class LocalStore:
 
     @contextmanager
     def lock(self):
-        """One conversion per output folder at a time; the OS drops the lock if the process dies."""
+        """One conversion per output folder at a time; the OS drops the lock if the process dies.
+
+        The lock belongs to this process alone: forked children (the pool's workers) close their
+        copy of its descriptor at once (`_drop_inherited_locks`), so that a child the parent's death
+        does not reach cannot keep the output locked against the rerun."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise ConvertError(f"--out {self.root}: cannot write there ({err.strerror or err})") from None
-        with open(self.root / ".sd-convert.lock", "w") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise ConvertError(f"--out {self.root}: another sd-convert is writing there") from None
+        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConvertError(f"--out {self.root}: another sd-convert is writing there") from None
+        _HELD_LOCKS.add(fd)
+        try:
             yield
+        finally:
+            _HELD_LOCKS.discard(fd)
+            os.close(fd)
+
+    def entries(self, rel: str = "") -> list[str]:
+        """The names directly under `rel` (files and folders); none when it does not exist."""
+        try:
+            return sorted(os.listdir(self.root / rel))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def remove(self, rel: str) -> None:
+        """Delete one file; a missing one is fine."""
+        (self.root / rel).unlink(missing_ok=True)
 
     def staging(self, rel: str, work_dir: Path) -> Path:
         return self.root / rel
@@ -150,6 +191,27 @@ class S3Store:
             Bucket=self.bucket, Prefix=self.key(rel)
         )
         return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+
+    def entries(self, rel: str = "") -> list[str]:
+        """The names directly under `rel`: objects, and "folders" (common prefixes)."""
+        base = self.key(rel.strip("/") + "/" if rel else "")
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=base, Delimiter="/"
+            )
+            names = set()
+            for page in pages:
+                names.update(obj["Key"][len(base) :] for obj in page.get("Contents", []))
+                names.update(p["Prefix"][len(base) :].rstrip("/") for p in page.get("CommonPrefixes", []))
+        except Exception as err:
+            raise self._fail(err, "listing", rel) from None
+        return sorted(n for n in names if n)
+
+    def remove(self, rel: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key(rel))
+        except Exception as err:
+            raise self._fail(err, "deleting", rel) from None
 
     def clear(self, rel: str) -> None:
         try:

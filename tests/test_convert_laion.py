@@ -96,3 +96,20 @@ def test_laion_needs_url_and_caption_columns(tmp_path, capsys):
     line = capsys.readouterr().err.strip()
     assert "no URL column" in line and "--url-col" in line and str(meta) in line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_overwrite_with_another_source_downloads_that_source(tmp_path):
+    """The default work dir is named after --out, so two sources' downloads meet in one folder: the
+    second one's (same shard count) must not be taken from the first one's."""
+    www, out, work = tmp_path / "www", tmp_path / "out", tmp_path / "work"
+    www.mkdir()
+    for name in ("a.jpg", "b.jpg"):
+        (www / name).write_bytes(jpeg(32, 24, seed=len(name) + ord(name[0])))
+    with serve_folder(www) as base:
+        for name in ("a", "b"):
+            rows = [{"URL": f"{base}/{name}.jpg", "TEXT": f"photo {name}"}]
+            meta = write_parquet(tmp_path / f"{name}.parquet", rows)
+            argv = ["laion", "--src", meta, "--out", out, "--work-dir", work, "--threads", "1", "--overwrite"]
+            assert run_cli(*argv) == 0
+            assert [r["caption"] for r in read_mds(out)] == [f"photo {name}"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from convert.storage import LocalStore
 from tests.conftest import REPO
 from tests.convert_fixtures import (
     jpeg,
@@ -123,6 +124,94 @@ def test_sigkill_midway_then_rerun_gives_exactly_the_uninterrupted_result(tmp_pa
     rows, expected = rows_of(out), rows_of(reference)
     assert len(rows) == 8 * 40 and len({r[0] for r in rows}) == len(rows)  # no duplicates
     assert rows == expected
+
+
+# sd-convert whose pool workers, once forked and once a task waits in the pool's queue for them,
+# announce themselves and wait for a `go` file before their initializer runs: the state of a worker
+# that the pool was starting when the conversion was killed. (`inqueue` is a local of the stdlib's
+# pool worker, which calls the initializer.)
+PAUSED_WORKERS = """
+import os, sys, time
+from pathlib import Path
+import convert.pipeline as pipeline
+from convert.__main__ import main
+hold, initializer = Path(os.environ["HOLD"]), pipeline._init_worker
+def paused(*args):
+    tasks = sys._getframe(1).f_locals["inqueue"]
+    while not tasks._reader.poll(0.01):
+        pass
+    (hold / f"worker-{os.getpid()}").write_text("")
+    while not (hold / "go").exists():
+        time.sleep(0.01)
+    initializer(*args)
+pipeline._init_worker = paused
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and "State:\tZ" not in _status(pid)
+
+
+@pytest.mark.slow
+def test_kill_while_workers_start_leaves_no_lock_and_no_worker(tmp_path):
+    src, out, reference, hold = (
+        tmp_path / "shards",
+        tmp_path / "out",
+        tmp_path / "reference",
+        tmp_path / "hold",
+    )
+    make_i2d_tars(src, shards=4, per_shard=3)
+    hold.mkdir()
+    argv = ["img2dataset", "--src", src, "--workers", "2"]
+    cmd = [sys.executable, "-c", PAUSED_WORKERS, *map(str, argv), "--out", str(out), "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HOLD": str(hold)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            workers = [int(p.name.removeprefix("worker-")) for p in hold.glob("worker-*")]
+        assert len(workers) == 2, f"no pool started: {proc.stderr.read().decode()[-2000:]}"
+        proc.kill()  # the parent dies while both workers are being started, with tasks queued
+        proc.wait()
+        # the rerun starts while the killed run's workers still exist: they must not hold the lock
+        assert run_cli(*argv, "--out", out) == 0
+        markers = {p.name: p.stat().st_mtime_ns for p in (out / "_done").iterdir()}
+        (hold / "go").write_text("")
+        deadline = time.monotonic() + 20
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        survivors = [w for w in workers if alive(w)]
+        assert not survivors, f"workers {survivors} outlived the killed conversion"
+        # and they took none of the queued tasks: nothing rewritten behind the rerun's back
+        assert {p.name: p.stat().st_mtime_ns for p in (out / "_done").iterdir()} == markers
+    finally:
+        proc.stderr.close()
+        for worker in workers:  # what the old code left running: this test's workers only, by pid
+            if alive(worker):
+                os.kill(worker, signal.SIGKILL)
+    assert run_cli(*argv, "--out", reference) == 0
+    assert rows_of(out) == rows_of(reference)
+
+
+def test_the_output_lock_belongs_to_the_converter_alone(tmp_path, capsys):
+    src, out = tmp_path / "shards", tmp_path / "out"
+    make_i2d_tars(src, shards=1, per_shard=2)
+    store = LocalStore(str(out))
+    with store.lock():
+        assert run_cli("img2dataset", "--src", src, "--out", out) == 1
+        assert "another sd-convert is writing there" in capsys.readouterr().err
+        child = os.fork()  # as the pool forks its workers while the converter holds the lock
+        if child == 0:
+            time.sleep(60)
+            os._exit(0)
+    try:
+        assert run_cli("img2dataset", "--src", src, "--out", out) == 0  # the child lives on
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
 
 
 def _status(pid: int) -> str:

@@ -101,3 +101,29 @@ def test_server_stopped_mid_upload_then_restarted(s3_env, tmp_path, monkeypatch,
     assert [(r["key"], r["image"], r["caption"]) for r in rows] == [
         (k, *v) for k, v in sorted(expected.items())
     ]
+
+
+def test_one_conversion_per_prefix(s3_env, tmp_path, capsys):
+    a, b, work = tmp_path / "a", tmp_path / "b", tmp_path / "work"
+    first, second = make_i2d_tars(a, shards=2, per_shard=3), make_i2d_tars(b, shards=1, per_shard=2)
+    out = f"s3://{BUCKET}/one"
+    client = s3_env.client()
+    client.put_object(Bucket=BUCKET, Key="one-more/notes.txt", Body=b"a sibling prefix, not under one/")
+    assert run_cli("img2dataset", "--src", a, "--out", out, "--work-dir", work) == 0
+
+    line = fatal_line(capsys, "img2dataset", "--src", b, "--out", out, "--work-dir", work)
+    assert f"img2dataset --src {a} --format auto" in line and f"img2dataset --src {b} --format auto" in line
+    assert "--overwrite" in line
+    assert [r["key"] for r in read_mds(tmp_path / "cache-a", remote=out)] == sorted(first)
+
+    client.put_object(Bucket=BUCKET, Key="one/README", Body=b"the user's own file")
+    assert run_cli("img2dataset", "--src", b, "--out", out, "--work-dir", work, "--overwrite") == 0
+    assert [r["key"] for r in read_mds(tmp_path / "cache-b", remote=out)] == sorted(second)
+    assert keys_under(s3_env, "one/") == [
+        "00000/index.json", "00000/shard.00000.mds", "README", "_done/00000.json", "convert-report.json",
+        "index.json", "sd-convert.json",
+    ]  # fmt: skip
+
+    client.put_object(Bucket=BUCKET, Key="other/photo.jpg", Body=b"not ours")
+    line = fatal_line(capsys, "img2dataset", "--src", a, "--out", f"s3://{BUCKET}/other", "--work-dir", work)
+    assert f"--out s3://{BUCKET}/other holds files that sd-convert did not write (photo.jpg)" in line
