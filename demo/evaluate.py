@@ -61,10 +61,12 @@ def evaluate(
 
 
 def main(argv: list[str] | None = None) -> None:
+    from models.checkpoint_file import one_line_errors
     from models.generate import load_model
 
+    prog = "python -m demo.evaluate"
     parser = argparse.ArgumentParser(
-        prog="python -m demo.evaluate", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("source", help="a Composer checkpoint of the tiny recipe or an exported folder")
     parser.add_argument("--out", required=True, help="folder for the PNGs, manifest.json and accuracy.json")
@@ -72,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    result = evaluate(load_model(args.source), args.out, args.per_prompt, args.seed)
+    with one_line_errors(prog):
+        model = load_model(args.source)
+    result = evaluate(model, args.out, args.per_prompt, args.seed)
     print(
         f"colour accuracy {result['color']:.1%}, shape accuracy {result['shape']:.1%} over "
         f"{result['images']} images\nmanifest: {result['manifest'].resolve()}"

@@ -4,14 +4,40 @@ Composer writes `{"state": {"model": ..., "algorithms": [(name, state), ...], "c
 the optimizer state (twice the UNet's size) is memory-mapped and never read.
 """
 
+import contextlib
+import sys
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+# torch.save writes a zip archive; torch before 1.6 (and _use_new_zipfile_serialization=False) a
+# pickle, protocol 2. A file that starts like neither is no checkpoint; a zip without its end record
+# was cut short.
+ZIP_MAGIC, PICKLE_MAGIC = b"PK\x03\x04", b"\x80"
 
-def read_checkpoint(path: str | Path) -> dict:
-    """The `state` of a Composer checkpoint file, its tensors memory-mapped (the optimizer state,
-    twice the UNet's size, is never read)."""
+
+class CheckpointError(ValueError):
+    """What was asked of a checkpoint file cannot be done: it is truncated or not a Composer
+    checkpoint, or lacks what a flag asks for (EMA weights, a LoRA adapter). The message is one line
+    that says which and what to do; the CLIs print it instead of a traceback."""
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str, *more: type[Exception]) -> Iterator[None]:
+    """A command's mistakes (a missing, truncated or foreign checkpoint, a flag it contradicts, and
+    any of `more`) end `prog` with one `prog: error: ...` line and status 1, not a traceback. Every
+    CLI that reads checkpoints (models.export and .generate, recipes.evaluate, demo.evaluate) uses it."""
+    try:
+        yield
+    except (CheckpointError, FileNotFoundError, IsADirectoryError, *more) as error:
+        sys.exit(f"{prog}: error: {error}")
+
+
+def check_checkpoint_file(path: str | Path) -> Path:
+    """The checks of `path` that read a few bytes, not the checkpoint: it is a file in torch.save's
+    format, and whole if a zip. A CLI makes them before its slow work; read_checkpoint again."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(
@@ -19,13 +45,45 @@ def read_checkpoint(path: str | Path) -> dict:
         )
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    with path.open("rb") as file:
+        head = file.read(16)
+    size = path.stat().st_size
+    # is_zipfile reads only the end record: constant time on a checkpoint of any size.
+    if not head or (head.startswith(ZIP_MAGIC) and not zipfile.is_zipfile(path)):
+        what = "a zip archive without its end record" if head else "empty"
+        raise CheckpointError(
+            f"{path} is truncated ({size} bytes, {what}: a copy or save was cut short); copy it again "
+            "or use an earlier checkpoint"
+        )
+    if not head.startswith((ZIP_MAGIC, PICKLE_MAGIC)):
+        raise CheckpointError(
+            f"{path} is not a Composer checkpoint: torch.save writes a zip archive, this file starts "
+            f"with {head!r}"
+        )
+    return path
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """The `state` of a Composer checkpoint file, its tensors memory-mapped (the optimizer state,
+    twice the UNet's size, is never read)."""
+    path = check_checkpoint_file(path)
+    with path.open("rb") as file:
+        # mmap needs the zip format; the pickle of torch before 1.6 is read whole.
+        mmap = file.read(len(ZIP_MAGIC)) == ZIP_MAGIC
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError:  # mmap needs the zip format torch.save writes by default; older files lack it
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except (OSError, MemoryError):  # the disk or the machine, not the file's contents
+        raise
+    except Exception as error:
+        # Unpickling what is not a checkpoint fails in any way at all (UnpicklingError "invalid load
+        # key" or "Memo value not found", EOFError, the zip reader's RuntimeError, ...); a pickle may
+        # also be one cut short, which nothing marks.
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        guess = "not a Composer checkpoint" if mmap else "not a Composer checkpoint, or is truncated"
+        raise CheckpointError(f"{path} is {guess} (torch.load: {reason})") from error
     state = checkpoint.get("state") if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict) or "model" not in state:
-        raise ValueError(f"{path} is not a Composer checkpoint (no state['model'] in it)")
+        raise CheckpointError(f"{path} is not a Composer checkpoint (no state['model'] in it)")
     return state
 
 
@@ -45,7 +103,7 @@ def ema_state(state: dict) -> dict[str, torch.Tensor] | None:
             return algorithm_state["ema"]
         if "ema_model" in algorithm_state:
             return _composer_ema(algorithm_state, state)[0]
-        raise ValueError(
+        raise CheckpointError(
             f"the checkpoint's EMA state has keys {sorted(algorithm_state)}, which neither recipes.ema.EMA "
             "nor composer.algorithms.EMA writes; export the raw weights with --raw"
         )

@@ -22,7 +22,7 @@ import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 from transformers.integrations.accelerate import init_empty_weights
 
-from models.checkpoint_file import ema_state, raw_state, read_checkpoint
+from models.checkpoint_file import CheckpointError, ema_state, one_line_errors, raw_state, read_checkpoint
 from models.lora import merge_lora, save_lora
 from models.presets import PRESETS, build_components
 from models.record import read_record, rebuild
@@ -32,6 +32,7 @@ from models.tokenizer import build_tokenizer
 log = logging.getLogger(__name__)
 
 COMPONENTS = ("unet", "vae", "text_encoder")
+PROG = "python -m models.export"  # argparse's default would be "export.py"
 
 
 @functools.cache
@@ -68,7 +69,7 @@ def infer_preset(weights: dict[str, torch.Tensor]) -> str:
         if differences[preset] is None:
             return preset
     details = "; ".join(f"{preset}: {why}" for preset, why in differences.items())
-    raise ValueError(f"the checkpoint's weights match no preset in models/presets.py ({details})")
+    raise CheckpointError(f"the checkpoint's weights match no preset in models/presets.py ({details})")
 
 
 def load_model_from_checkpoint(
@@ -90,7 +91,7 @@ def load_model_from_checkpoint(
     weights = raw_state(state)
     averaged = ema_state(state)
     if ema and averaged is None:
-        raise ValueError(
+        raise CheckpointError(
             f"--ema: {path} has no EMA weights (the run had no EMA algorithm, or saved before its "
             "ema_start); export the raw weights with --raw"
         )
@@ -98,7 +99,7 @@ def load_model_from_checkpoint(
     if use_ema:
         unknown = averaged.keys() - weights.keys()
         if unknown:
-            raise ValueError(f"EMA state names tensors the model lacks, e.g. {sorted(unknown)[:3]}")
+            raise CheckpointError(f"EMA state names tensors the model lacks, e.g. {sorted(unknown)[:3]}")
         # Copies in the model's dtype: the average may be stored in bf16, and its tensors are views
         # into one flat buffer, which safetensors refuses to save as separate tensors.
         weights.update({k: v.to(weights[k].dtype, copy=True) for k, v in averaged.items()})
@@ -113,7 +114,7 @@ def load_model_from_checkpoint(
             ("--prediction-type", "prediction_type", prediction_type),
         ):
             if given is not None and record.get(key) is not None and given != record[key]:
-                raise ValueError(
+                raise CheckpointError(
                     f"{flag} {given} contradicts the checkpoint, which records {key}={record[key]!r}"
                 )
         if record.get("lora"):
@@ -139,7 +140,7 @@ def load_model_from_checkpoint(
         elif preset not in PRESETS:
             raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
         elif (why := _difference(_preset_shapes(preset), weights)) is not None:
-            raise ValueError(f"{path} does not hold preset {preset!r}: {why}")
+            raise CheckpointError(f"{path} does not hold preset {preset!r}: {why}")
         with init_empty_weights():
             components = build_components(preset)
         model = StableDiffusion(
@@ -171,7 +172,7 @@ def _lora_model(path, record: dict, weights: dict) -> StableDiffusion:
     missing, unexpected = model.load_state_dict(weights, strict=False)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     if unexpected or trainable & set(missing):
-        raise ValueError(
+        raise CheckpointError(
             f"{path}: the adapter does not fit its record ({len(unexpected)} unexpected tensors, "
             f"{len(trainable & set(missing))} adapter tensors missing)"
         )
@@ -202,7 +203,9 @@ def export_pipeline(model: StableDiffusion, out_dir: str | Path) -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("checkpoint", help="a Composer checkpoint file (e.g. ep0-ba200-rank0.pt)")
     parser.add_argument("out_dir", help="folder to write the diffusers pipeline to")
     add_weight_args(parser)
@@ -235,12 +238,17 @@ def add_weight_args(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    with one_line_errors(PROG):
+        export(args)
+
+
+def export(args: argparse.Namespace) -> None:
     model = load_model_from_checkpoint(
         args.checkpoint, args.ema, preset=args.preset, prediction_type=args.prediction_type
     )
     if getattr(model, "lora", None) is None:
         if args.lora or args.merge_lora:
-            raise ValueError(
+            raise CheckpointError(
                 f"{args.checkpoint} is not a LoRA checkpoint; export it without --lora/--merge-lora"
             )
     elif args.lora:
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.merge_lora:
         merge_lora(model.unet)
     else:
-        raise ValueError(
+        raise CheckpointError(
             f"{args.checkpoint} is a LoRA checkpoint: --lora writes the adapter file, --merge-lora a full "
             "pipeline with the adapter merged"
         )

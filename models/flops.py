@@ -144,7 +144,9 @@ def mfu(images_per_sec: float, flops_per_image: float, peak_flops: float) -> flo
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m models.flops", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="sd2-base")
     parser.add_argument("--resolution", type=int, nargs="+", default=[256, 512], help="pixels")
     parser.add_argument("--images-per-sec", type=float, help="measured throughput per device, for MFU")

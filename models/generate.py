@@ -18,12 +18,14 @@ from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from torchvision.utils import save_image
 from transformers import CLIPTextModel, CLIPTokenizer
 
+from models.checkpoint_file import CheckpointError, check_checkpoint_file, one_line_errors
 from models.export import add_weight_args, load_model_from_checkpoint
 from models.stable_diffusion import SAMPLERS, StableDiffusion
 
 log = logging.getLogger(__name__)
 
 GRID_PADDING = 2  # pixels between the images of the grid (torchvision's default)
+PROG = "python -m models.generate"  # argparse's default would be "generate.py"
 
 
 def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion:
@@ -51,18 +53,29 @@ def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion:
     ).eval()
 
 
-def load_model(path: str | Path, ema: bool | None = None, **checkpoint_kwargs) -> StableDiffusion:
-    """A checkpoint file or an exported pipeline folder, whichever `path` is."""
+def check_source(path: str | Path, ema: bool | None = None) -> Path:
+    """load_model's checks that read a few bytes at most (the path is there, a checkpoint is whole,
+    --ema/--raw only with a checkpoint): CLIs make them before anything slow."""
     path = Path(path)
     if path.is_dir():
         if ema is not None:
-            raise ValueError(
+            raise CheckpointError(
                 f"--ema/--raw choose weights inside a checkpoint; {path} is an exported folder that "
                 "already holds the weights it was exported with"
             )
-        return load_model_from_pipeline_dir(path)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
+        return path
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint or pipeline folder at {path}")
+    return check_checkpoint_file(path)
+
+
+def load_model(path: str | Path, ema: bool | None = None, **checkpoint_kwargs) -> StableDiffusion:
+    """A checkpoint file or an exported pipeline folder, whichever `path` is."""
+    path = check_source(path, ema)
+    if path.is_dir():
+        return load_model_from_pipeline_dir(path)
     return load_model_from_checkpoint(path, ema, **checkpoint_kwargs)
 
 
@@ -86,7 +99,9 @@ def sample_grid(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("source", help="a Composer checkpoint file or an exported pipeline folder")
     parser.add_argument("prompts", nargs="+", help="one grid row per prompt")
     parser.add_argument("--out", required=True, help="PNG file to write")
@@ -106,13 +121,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_weight_args(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.n_per_prompt < 1 or args.steps < 1:  # before the model loads, not after
+        parser.error("--n-per-prompt and --steps must be >= 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    model = load_model(args.source, args.ema, preset=args.preset, prediction_type=args.prediction_type)
+    with one_line_errors(PROG):
+        model = load_model(args.source, args.ema, preset=args.preset, prediction_type=args.prediction_type)
     model.to(args.device)
     images = sample_grid(
         model,

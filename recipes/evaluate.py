@@ -25,7 +25,6 @@ import io
 import json
 import logging
 import random
-import sys
 from pathlib import Path
 
 import torch
@@ -36,8 +35,9 @@ from torchvision.utils import save_image
 from tqdm import tqdm
 
 from convert.atomic import atomic_path, atomic_write_bytes
+from models.checkpoint_file import one_line_errors
 from models.export import add_weight_args
-from models.generate import load_model
+from models.generate import check_source, load_model
 from models.stable_diffusion import SAMPLERS
 from recipes import extractors
 from recipes.image_metrics import scores, write_report
@@ -49,11 +49,12 @@ PROTOCOLS = {  # MLPerf Training v4.x, stable_diffusion reference (mlcommons/tra
     "mlperf": dict(DEFAULTS, resolution=512, targets={"fid": 90.0, "clip_score": 0.15}),
 }
 SAMPLE_COLUMNS = 8  # images per guidance scale in samples.png
+PROG = "python -m recipes.evaluate"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m recipes.evaluate", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog=PROG, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("source", help="a Composer checkpoint file or an exported pipeline folder")
     parser.add_argument("--data", required=True, help="MDS image-caption set: a folder or s3://... URL")
@@ -92,16 +93,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.targets = settings.get("targets")
     if args.n < 1 or args.steps < 1 or args.batch_size < 1:
         parser.error("--n, --steps and --batch-size must be >= 1")
+    if args.resolution is not None and args.resolution < 1:
+        parser.error("--resolution must be >= 1")
     return args
+
+
+def check_inputs(args) -> None:
+    """Every file the run needs is there, checked in milliseconds before anything loads: the CLIP
+    weights (4 GB for ViT-H) and the checkpoint (gigabytes for SD2) would otherwise load first and a
+    mistyped --data show only after them. Weights first, then the source, then the data."""
+    if args.extractors == "real":
+        extractors.check_weights(args.inception_weights, args.clip_model, args.clip_arch)
+    check_source(args.source, args.ema)
+    data_location(args)
+    if args.out.exists() and not args.out.is_dir():
+        raise FileNotFoundError(f"--out {args.out} is a file, not a folder")
+
+
+def data_location(args) -> tuple[str | None, str]:
+    """(remote, local) of --data; a local folder must hold an MDS index (a remote one is read when
+    the set opens: that costs a download)."""
+    remote = args.data if "://" in args.data else None
+    local = (args.cache or str(args.out / "data-cache")) if remote else args.data
+    if not remote and not (Path(local) / "index.json").is_file():
+        raise FileNotFoundError(f"--data {args.data}: no MDS index.json there")
+    return remote, local
 
 
 def open_dataset(args):
     from data.streaming_base import StreamingBase
 
-    remote = args.data if "://" in args.data else None
-    local = (args.cache or str(args.out / "data-cache")) if remote else args.data
-    if not remote and not (Path(local) / "index.json").is_file():
-        raise FileNotFoundError(f"--data {args.data}: no MDS index.json there")
+    remote, local = data_location(args)
     return StreamingBase(remote=remote, local=local, shuffle=False, batch_size=1)
 
 
@@ -227,13 +249,13 @@ def evaluate(args) -> list[dict] | None:
     if dist.get_world_size() > 1:
         dist.initialize_dist(device)
     rank = dist.get_global_rank()
+    dataset = open_dataset(args)  # a remote set's index: seconds, where the weights below take minutes
     inception = extractors.inception(args.extractors, args.inception_weights)
     clip = extractors.clip(args.extractors, args.clip_model, args.clip_arch)
     model = load_model(args.source, args.ema, preset=args.preset, prediction_type=args.prediction_type)
     torch_device = device._device
     model.to(torch_device), inception.to(torch_device), clip.model.to(torch_device)
     resolution = args.resolution or model.unet.config.sample_size * model.vae_scale_factor
-    dataset = open_dataset(args)
     rows = choose_rows(dataset.num_samples, args.n, args.seed)  # len() is per rank
     batches = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
     mine = range(rank, len(batches), dist.get_world_size())
@@ -291,10 +313,9 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     for name in ("recipes", "models"):
         logging.getLogger(name).setLevel(logging.INFO)
     args = parse_args(argv)
-    try:
+    with one_line_errors(PROG, SettingsChanged):  # MissingWeights is a FileNotFoundError
+        check_inputs(args)
         return evaluate(args)
-    except (extractors.MissingWeights, FileNotFoundError, SettingsChanged) as error:
-        sys.exit(f"error: {error}")
 
 
 if __name__ == "__main__":

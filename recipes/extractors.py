@@ -48,17 +48,36 @@ class TinyInception(nn.Module):
         return self.net((x - 128) / 128)
 
 
-def inception(kind: str, weights: str | Path | None = None) -> nn.Module:
-    """uint8 (N, 3, H, W) -> (N, D) float features, in eval mode on the CPU."""
-    if kind == "tiny":
-        torch.manual_seed(TINY_SEED)
-        return TinyInception().eval().requires_grad_(False)
+def check_weights(inception_weights: str | Path | None, clip_model: str | Path | None, arch: str = CLIP_ARCH):
+    """The real extractors' weights are there (MissingWeights if not), checked without loading any."""
+    _check_inception(inception_weights)
+    _check_clip(clip_model, arch)
+
+
+def _check_inception(weights: str | Path | None) -> None:
     if weights is None or not Path(weights).is_file():
         where = f"{weights} does not exist" if weights else "no --inception-weights given"
         raise MissingWeights(
             f"FID/KID need the Inception weights ({where}): download {INCEPTION_URL} "
             "and pass --inception-weights PATH (or --extractors tiny for a random stand-in)"
         )
+
+
+def _check_clip(model: str | Path | None, arch: str) -> None:
+    if model is None or not Path(model).exists():
+        where = f"{model} does not exist" if model else "no --clip-model given"
+        raise MissingWeights(
+            f"CLIP score needs {arch} weights ({where}): download {CLIP_URL} "
+            "and pass --clip-model PATH (or --extractors tiny for a random stand-in)"
+        )
+
+
+def inception(kind: str, weights: str | Path | None = None) -> nn.Module:
+    """uint8 (N, 3, H, W) -> (N, D) float features, in eval mode on the CPU."""
+    if kind == "tiny":
+        torch.manual_seed(TINY_SEED)
+        return TinyInception().eval().requires_grad_(False)
+    _check_inception(weights)
     from torchmetrics.image.fid import NoTrainInceptionV3
 
     network = NoTrainInceptionV3("inception-v3-compat", ["2048"], str(weights))
@@ -118,13 +137,8 @@ def clip(kind: str, model: str | Path | None = None, arch: str = CLIP_ARCH) -> C
             text_cfg=CLIPTextCfg(context_length=77, vocab_size=49408, width=32, heads=2, layers=2),
         )
         return Clip(network.eval().requires_grad_(False), open_clip.get_tokenizer(CLIP_ARCH))
-    path = Path(model) if model else None
-    if path is None or not path.exists():
-        where = f"{model} does not exist" if model else "no --clip-model given"
-        raise MissingWeights(
-            f"CLIP score needs {arch} weights ({where}): download {CLIP_URL} "
-            "and pass --clip-model PATH (or --extractors tiny for a random stand-in)"
-        )
+    _check_clip(model, arch)
+    path = Path(model)
     if path.is_dir():
         name = f"local-dir:{path}"
         network = open_clip.create_model(name)
