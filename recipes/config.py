@@ -2,17 +2,22 @@
 
 One YAML is one complete run. `load_config(path, overrides)` composes it (the YAML's folder is the
 Hydra config dir, so defaults lists work) and `parse_config(cfg)` turns it into a `RunConfig`,
-rejecting unknown keys with a message that names the key and the nearest valid one.
+rejecting unknown keys with a message that names the key and the nearest valid one, and values
+that the optimizer, scheduler, callbacks and algorithms would refuse (it builds each once), all
+before any model or data is built.
 """
 
 import difflib
 import inspect
+import os
+import re
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
@@ -78,6 +83,23 @@ def load_config(yaml_path: str | Path, overrides: list[str] = ()) -> DictConfig:
             return compose(config_name=path.stem, overrides=hydra_overrides)
     except (ConfigCompositionException, OverrideParseException) as err:
         raise ConfigError(f"{path.name}: {err}") from err
+    except yaml.YAMLError as err:  # the YAML itself, or one in its defaults list, does not parse
+        raise ConfigError(_yaml_error(err)) from err
+
+
+def _yaml_error(err: yaml.YAMLError) -> str:
+    """One line: `FILE, line L, column C: PROBLEM (CONTEXT at line L, column C)`, 1-based as editors
+    count (PyYAML's marks are 0-based)."""
+    mark = getattr(err, "problem_mark", None)
+    if mark is None:
+        return f"invalid YAML: {' '.join(str(err).split())}"
+    name = os.path.relpath(mark.name)  # as the user gave it, when it is under the working directory
+    name = mark.name if name.startswith("..") else name
+    message = f"{name}, line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {err.problem}"
+    context, at = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and at is not None:
+        message += f" ({context} at line {at.line + 1}, column {at.column + 1})"
+    return message
 
 
 def parse_config(cfg: DictConfig | dict) -> RunConfig:
@@ -96,12 +118,14 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
     run = _build(RunConfig, raw, "")
     _check_model_keys(run.model)
     _check_trainer_keys(run.trainer)
+    _check_max_duration(run.trainer)
     for section in ("algorithms", "callbacks", "loggers"):
         for name, spec in getattr(run, section).items():
             _check_target(spec, f"{section}.{name}")
     _check_target(run.optimizer, "optimizer", supplied=("params",))
     if run.scheduler is not None:
         _check_target(run.scheduler, "scheduler")
+    _check_values(run)
     return run
 
 
@@ -211,8 +235,87 @@ def _check_target(spec: Any, where: str, supplied: tuple[str, ...] = ()) -> None
         if missing and not spec.get("_partial_"):
             raise ConfigError(f"'{where}' ({spec['_target_']}) needs {', '.join(repr(m) for m in missing)}")
     for key, value in kwargs.items():
+        if key in params and _wants_number(params[key]) and isinstance(value, bool | str | list | dict):
+            # A constructor compares it with a number (torch: "'<=' not supported between 'float'
+            # and 'str'") or keeps it until the first step uses it.
+            raise ConfigError(f"'{where}.{key}' must be a number, got {value!r}")
         if isinstance(value, dict) and "_target_" in value:
             _check_target(value, f"{where}.{key}")
+
+
+_NUMBER_ANNOTATION_NAMES = {"int", "float", "None", "Optional", "Union", "Tensor"}
+
+
+def _wants_number(param: inspect.Parameter) -> bool:
+    """The parameter takes a number and nothing else: annotated int or float, alone or in a union
+    with None or a Tensor (torch's `lr: float | Tensor`), or unannotated with a number as default.
+    Not `str | int` (an EMA interval: `10ba` or 10), nor a tuple of floats (AdamW's betas)."""
+    annotation = param.annotation
+    if annotation is inspect.Parameter.empty:
+        return isinstance(param.default, int | float) and not isinstance(param.default, bool)
+    if isinstance(annotation, str):  # under `from __future__ import annotations`: the names in it
+        names = set(re.findall(r"[A-Za-z_]\w*", annotation))
+        return bool(names & {"int", "float"}) and names <= _NUMBER_ANNOTATION_NAMES
+    options = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else (annotation,)
+    )
+    options = [o for o in options if o is not type(None)]
+    numbers = [o for o in options if o in (int, float)]
+    return bool(numbers) and all(o in (int, float) or getattr(o, "__name__", "") == "Tensor" for o in options)
+
+
+def _check_max_duration(trainer: dict) -> None:
+    """Composer parses `max_duration` only when the Trainer is built, after the model and data, and
+    a zero one ends in "pass reset_time=True to Trainer.fit()", which the CLI cannot."""
+    from composer.core import Time, TimeUnit
+
+    value = trainer.get("max_duration")
+    if value is None:
+        return
+    example = "e.g. 550000ba (batches), 1000000sp (samples) or 2ep (epochs)"
+    try:
+        duration = Time.from_input(value, TimeUnit.EPOCH)  # a bare int means epochs, as in Composer
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"'trainer.max_duration' must be a duration, {example}; got {value!r}") from err
+    if duration.unit == TimeUnit.DURATION:  # a fraction of itself
+        raise ConfigError(f"'trainer.max_duration' cannot be in dur, {example}; got {value!r}")
+    if duration.value <= 0:
+        raise ConfigError(f"'trainer.max_duration' must be more than zero, {example}; got {value!r}")
+
+
+def _check_values(run: RunConfig) -> None:
+    """Build the optimizer (over a stand-in parameter), the scheduler, every callback and algorithm
+    once and drop them, so that a value their constructors refuse (`callbacks.samples.sampler=foo`,
+    `optimizer.lr=-1`) is a config error now rather than a traceback after the model, the data or
+    thousands of batches. Their constructors are cheap and build nothing large. Not the loggers:
+    theirs may start a run (wandb) or open a tracking store (MLflow)."""
+    import torch
+
+    _build_once(run.optimizer, "optimizer", params=[torch.nn.Parameter(torch.zeros(1))])
+    if run.scheduler is not None:
+        _build_once(run.scheduler, "scheduler")
+    for section in ("algorithms", "callbacks"):
+        for name, spec in getattr(run, section).items():
+            _build_once(spec, f"{section}.{name}")
+
+
+def _build_once(spec: dict, where: str, **supplied) -> None:
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        instantiate(spec, **supplied)
+    except Exception as err:  # noqa: BLE001 - whatever a constructor raises, the config gave it the value
+        cause = err
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
+            cause = cause.__cause__  # Hydra wraps the constructor's error, with its own traceback text
+        message = " ".join(str(cause).split()) or type(cause).__name__
+        names = "|".join(re.escape(k) for k in spec if not k.startswith("_"))
+        if names and re.match(rf"({names})=", message):  # the constructor named its argument
+            raise ConfigError(f"{where}.{message}") from err
+        raise ConfigError(f"'{where}' ({spec['_target_']}): {message}") from err
 
 
 def check_device(trainer: dict) -> None:

@@ -17,10 +17,11 @@ are the same for every row and only the days shrink. Real scaling is worse: the 
 figures (mosaicml/diffusion, 256 px) are 1,100 img/s on 8 A100s (137.5 per GPU) but 11,600 on 128
 (90.6 per GPU, 66% of linear). Treat the days and cost as lower bounds at large counts.
 
-A GPU count whose batch split fails (the world size does not divide the global batch, or the
-microbatch does not divide or exceeds the per-device batch) is reported on its row, with `error`
-in JSON, and the rest of the table is still printed; its images, days and cost are what the run
-would take once the split is fixed.
+`trainer.device_train_microbatch_size` is a cap (recipes/scaling.py): each row shows the
+microbatch a run at that count uses, the largest divisor of its per-device batch not above the cap.
+A GPU count whose batch split fails (the world size does not divide the global batch) is reported
+on its row, with `error` in JSON and no days, GPU-hours or cost; the rest of the table is still
+printed and the planner exits with status 1, so a script that checks a recipe stops there.
 """
 
 import argparse
@@ -89,7 +90,8 @@ def plan_rows(
     img_per_sec_per_gpu: float,
     price: float,
 ) -> list[dict]:
-    """One dict per GPU count with ROW_KEYS, plus `error` where the batch split fails."""
+    """One dict per GPU count with ROW_KEYS, plus `error` where the batch split fails (its days,
+    GPU-hours and cost are then None: no such run exists to cost)."""
     images = images_to_see(max_duration, global_batch_size)
     # Linear scaling: the run costs the same GPU-seconds at every count.
     gpu_hours = images / img_per_sec_per_gpu / 3600
@@ -102,9 +104,7 @@ def plan_rows(
         try:
             row.update(asdict(plan_batches(global_batch_size, n, microbatch)))
         except ConfigError as err:
-            if global_batch_size % n == 0:
-                row["per_device_batch"] = global_batch_size // n
-            row["error"] = str(err)
+            row.update(days=None, gpu_hours=None, cost=None, error=str(err))
         rows.append(row)
     return rows
 
@@ -116,15 +116,13 @@ def format_table(rows: list[dict]) -> str:
         def dash(value):
             return "-" if value is None else str(value)
 
-        if "error" in row:
-            accum = "error"  # the message follows the table
-        else:
-            accum = "auto" if row["microbatch"] == "auto" else str(row["grad_accum"])
+        if "error" in row:  # the message follows the table
+            return [str(row["gpus"]), "-", "-", "error", f"{row['images']:,}", "-", "-", "-"]
         return [
             str(row["gpus"]),
             dash(row["per_device_batch"]),
             dash(row["microbatch"]),
-            accum,
+            "auto" if row["microbatch"] == "auto" else str(row["grad_accum"]),
             f"{row['images']:,}",
             f"{row['days']:.2f}",
             f"{row['gpu_hours']:,.1f}",
@@ -145,6 +143,7 @@ def write_plot(rows: list[dict], path: str | Path, title: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullLocator
 
+    rows = [row for row in rows if "error" not in row]  # nothing to draw for a split that fails
     gpus = [row["gpus"] for row in rows]
     fig, (ax_days, ax_cost) = plt.subplots(1, 2, figsize=(10, 4))
     ax_days.plot(gpus, [row["days"] for row in rows], "o-")
@@ -207,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--microbatch",
         type=_microbatch,
-        help="override trainer.device_train_microbatch_size (int or auto)",
+        help="override trainer.device_train_microbatch_size (a cap: int, or auto)",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     parser.add_argument("--plot", help="also write a PNG of days and cost vs GPUs")
@@ -215,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Print the plan; exit with status 1 when a GPU count's batch split fails (status 2: bad
+    arguments, as argparse)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     options, overrides = _split_overrides(sys.argv[1:] if argv is None else argv)
@@ -263,8 +264,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.plot:
         write_plot(rows, args.plot, title)
+    failed = any("error" in row for row in rows)
     if args.json:
         print(json.dumps(rows, indent=2))
+        if failed:
+            sys.exit(1)
         return
     device = f" on {throughput.device}" if throughput.device else ""
     print(
@@ -279,8 +283,15 @@ def main(argv: list[str] | None = None) -> None:
         "assumes linear scaling: img/s per GPU is the same at every GPU count, so GPU-hours and cost do "
         "not change with it; at large counts real days and cost are higher"
     )
+    if microbatch not in (None, "auto"):
+        print(
+            f"microbatch: at most {microbatch} (trainer.device_train_microbatch_size), the largest divisor "
+            "of the per-device batch not above it"
+        )
     print()
     print(format_table(rows))
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -123,27 +123,27 @@ def prepare_sd2_latents(local: str | Path, n: int = 512, resolutions=(256, 512),
 PREPARERS = {"shapes": prepare_shapes_mds, "sd2-latents": prepare_sd2_latents}
 
 
-def ensure_dataset(cfg: ImageCaptionDataConfig, size_multiple: int = 64) -> None:
+def ensure_dataset(cfg: ImageCaptionDataConfig, size_multiple: int = 64, key: str = "data") -> None:
     """Build the dataset if the config names a preparer, else check that every set it names holds
     samples (reading each index.json, downloading it for a remote) and that bucket sizes fit the
     model (multiples of `size_multiple`).
 
     Called before the model is built, so a wrong path, an unreachable or empty stream or a bad
-    bucket size fails in a second, not after a minute (build_trainer names the `data.train` /
-    `data.eval` key in the ConfigError).
+    bucket size fails in a second, not after a minute. `key`: where `cfg` sits in the run config
+    (`data.train`), which the messages name (build_trainer makes them a ConfigError).
     """
     if cfg.streams is None and cfg.local is None and cfg.remote is None:
         raise ValueError(
-            "data: set `local` (an MDS folder) and/or `remote` (e.g. s3://bucket/prefix), or `streams`"
+            f"{key}: set `local` (an MDS folder) and/or `remote` (e.g. s3://bucket/prefix), or `streams`"
         )
     if cfg.prepare is not None:
         if cfg.local is None:
-            raise ValueError(f"data.prepare={cfg.prepare!r} writes to `local`; set data.local to a folder")
+            raise ValueError(f"{key}.prepare={cfg.prepare!r} writes to `local`; set {key}.local to a folder")
         if cfg.prepare not in PREPARERS:
-            raise ValueError(f"data.prepare={cfg.prepare!r} is not one of {sorted(PREPARERS)}")
+            raise ValueError(f"{key}.prepare={cfg.prepare!r} is not one of {sorted(PREPARERS)}")
         PREPARERS[cfg.prepare](cfg.local)
     elif cfg.streams is None and cfg.remote is None and not Path(cfg.local, "index.json").exists():
-        raise FileNotFoundError(f"data.local={cfg.local} holds no MDS dataset (no index.json)")
+        raise FileNotFoundError(f"{key}.local={cfg.local} holds no MDS dataset (no index.json)")
     if cfg.streams is not None or cfg.buckets or cfg.remote is not None:
         specs = resolve_streams(cfg)
         if cfg.buckets:

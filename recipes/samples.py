@@ -30,6 +30,7 @@ from composer.utils import create_interval_scheduler, dist, format_name_with_dis
 from torchvision.utils import save_image
 
 from models.generate import sample_grid
+from models.stable_diffusion import SAMPLERS
 from recipes.callbacks import preserved_rng
 from recipes.ema import find_ema
 
@@ -48,8 +49,14 @@ class SampleGrids(Callback):
         sampler: str = "ddim",
         folder: str | None = None,
     ):
+        # Checked here, where the config check builds it (recipes/config.py), not at the first grid.
         if not prompts:
             raise ValueError("SampleGrids needs at least one prompt")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler={sampler!r} is not one of {sorted(SAMPLERS)}")
+        for name, value in (("per_prompt", per_prompt), ("steps", steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
         self.prompts, self.per_prompt, self.seed = list(prompts), per_prompt, seed
         scales = [guidance] if isinstance(guidance, int | float) else guidance
         self.guidance = [float(g) for g in scales]

@@ -1,14 +1,17 @@
 """Batch arithmetic: how one global batch splits over devices and microbatches.
 
-The YAML fixes the global batch (the optimization hyperparameter) and the microbatch (what fits in
-one device's memory); the per-device batch and the gradient accumulation steps follow from the
-world size. A split that does not come out even is an error that names the numbers, never a silent
-truncation: `global // world` on 3 devices would quietly train 2046 images a step instead of 2048.
+The YAML fixes the global batch (the optimization hyperparameter) and a microbatch cap (what fits
+in one device's memory); the per-device batch, the microbatch used and the gradient accumulation
+steps follow from the world size. A global batch the world size does not divide is an error that
+names the numbers, never a silent truncation: `global // world` on 3 devices would quietly train
+2046 images a step instead of 2048.
 
-Composer itself tolerates a microbatch that does not divide the per-device batch (the last
-microbatch is smaller) or exceeds it (no split, with a warning on every batch); we refuse both so
-that "gradient accumulation steps" is one number and every microbatch has the size that was tuned
-for memory.
+`trainer.device_train_microbatch_size` is a cap, not an exact size: the microbatch used is the
+largest divisor of the per-device batch not above it, so one recipe runs unchanged from 8 GPUs
+(2048 / 8 = 256 per device, microbatches of 32) to 256 (8 per device, one microbatch of 8). A
+divisor, so that every microbatch has the same size and "gradient accumulation steps" is one
+number (Composer itself would run a smaller last microbatch, or no split with a warning on every
+batch when the microbatch exceeds the per-device batch).
 """
 
 from dataclasses import dataclass
@@ -21,7 +24,7 @@ AUTO = "auto"  # Composer's adaptive microbatching (GPU only): halves the microb
 @dataclass(frozen=True)
 class BatchPlan:
     per_device_batch: int
-    microbatch: int | str  # an int, or "auto"
+    microbatch: int | str  # the microbatch used: an int, or "auto"
     grad_accum: int | None  # microbatches per device per step; None when the microbatch is "auto"
 
 
@@ -38,10 +41,11 @@ def per_device_batch_size(global_batch_size: int, world_size: int) -> int:
 
 
 def plan_batches(global_batch_size: int, world_size: int, microbatch: int | str | None) -> BatchPlan:
-    """Split `global_batch_size` over `world_size` devices and `microbatch`-sized forward passes.
+    """Split `global_batch_size` over `world_size` devices and microbatches of at most `microbatch`.
 
-    `microbatch` is `trainer.device_train_microbatch_size`: an int, "auto", or None (Composer then
-    runs the whole per-device batch at once, so one microbatch per step).
+    `microbatch` is `trainer.device_train_microbatch_size`: an int (a cap: the largest divisor of
+    the per-device batch not above it is used), "auto", or None (Composer then runs the whole
+    per-device batch at once, so one microbatch per step).
     """
     per_device = per_device_batch_size(global_batch_size, world_size)
     if microbatch is None:
@@ -49,20 +53,8 @@ def plan_batches(global_batch_size: int, world_size: int, microbatch: int | str 
     if microbatch == AUTO:
         return BatchPlan(per_device, AUTO, None)
     _check_positive_int("trainer.device_train_microbatch_size", microbatch, allow_auto=True)
-    split = f"(global_train_batch_size={global_batch_size} / {world_size} devices)"
-    if microbatch > per_device:
-        raise ConfigError(
-            f"trainer.device_train_microbatch_size={microbatch} is larger than the per-device batch "
-            f"{per_device} {split}; set it to a divisor of {per_device} (e.g. "
-            f"trainer.device_train_microbatch_size={per_device}) or to 'auto' on GPUs"
-        )
-    if per_device % microbatch:
-        below = max(d for d in range(1, microbatch) if per_device % d == 0)
-        raise ConfigError(
-            f"trainer.device_train_microbatch_size={microbatch} does not divide the per-device batch "
-            f"{per_device} {split}; the nearest smaller divisor is {below}"
-        )
-    return BatchPlan(per_device, microbatch, per_device // microbatch)
+    used = max(d for d in range(1, min(microbatch, per_device) + 1) if per_device % d == 0)
+    return BatchPlan(per_device, used, per_device // used)
 
 
 def _check_positive_int(name: str, value, allow_auto: bool = False) -> None:

@@ -24,7 +24,8 @@ from recipes.callbacks import IsolateEvalRng, RestoreRngOnResume
 from recipes.checkpointing import install_atomic_checkpoint_writes
 from recipes.config import ConfigError, RunConfig, check_device, parse_config
 from recipes.prepare import ensure_dataset, prepare_pretrained
-from recipes.scaling import plan_batches
+from recipes.resume import remote_autoresume
+from recipes.scaling import BatchPlan, plan_batches
 from recipes.secrets import protect_config_secrets, redact
 from recipes.shm import clean_shared_memory
 
@@ -48,13 +49,17 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     for split, data_cfg in (("train", run.data.train), ("eval", run.data.eval)):
         try:
             if data_cfg is not None:
-                ensure_dataset(data_cfg, _size_multiple(run.model["preset"]))
-        except (FileNotFoundError, ValueError) as err:
-            raise ConfigError(f"data.{split}: {err}") from err
+                ensure_dataset(data_cfg, _size_multiple(run.model["preset"]), key=f"data.{split}")
+        except (FileNotFoundError, ValueError) as err:  # ensure_dataset's own messages name the key
+            message = str(err)
+            raise ConfigError(
+                message if message.startswith(f"data.{split}") else f"data.{split}: {message}"
+            ) from err
     if run.prepare_pretrained is not None:
         prepare_pretrained(run.model.get("pretrained"), run.prepare_pretrained)
 
-    kwargs = trainer_kwargs(run, world_size)
+    # A remote save_folder resumes from the newest checkpoint in it, not Composer's local copy.
+    kwargs = remote_autoresume(trainer_kwargs(run, world_size), run.run_name)
     fsdp = run.trainer.get("parallelism_config") and run.trainer.get("device") != "cpu"
     if fsdp and torch.cuda.is_available():
         place_unsharded(kwargs["model"], torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
@@ -103,7 +108,8 @@ def _plan(run: RunConfig, world_size: int):
 
 def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
     """The keyword arguments `build_trainer` gives composer.Trainer: the model, dataloaders,
-    optimizer, scheduler and the `_target_` objects built from `run`, and `run.trainer` as is.
+    optimizer, scheduler and the `_target_` objects built from `run`, and `run.trainer` with the
+    microbatch the batch plan uses (recipes/scaling.py: the YAML's is a cap).
 
     Needs neither the run's device nor a process group (a test checks a GPU recipe's wiring on a
     CPU with it); `build_trainer` checks the device, seeds, starts the process group and prepares
@@ -128,9 +134,10 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = instantiate(run.optimizer, params=trainable)
     scheduler = instantiate(run.scheduler) if run.scheduler is not None else None
+    cap = run.trainer.get("device_train_microbatch_size")
     log.info(
         "run %s: preset %s, %.1fM trainable parameters; global batch %d = %d devices x %d per device "
-        "(microbatch %s, gradient accumulation %s)",
+        "(microbatch %s%s, gradient accumulation %s)",
         run.run_name,
         run.model["preset"],
         sum(p.numel() for p in trainable) / 1e6,
@@ -138,6 +145,9 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
         world_size,
         batch_size,
         plan.microbatch,
+        f", capped by trainer.device_train_microbatch_size={cap}"
+        if cap not in (None, plan.microbatch)
+        else "",
         plan.grad_accum,
     )
     callbacks = [instantiate(spec) for spec in run.callbacks.values()]
@@ -154,8 +164,17 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
         algorithms=[instantiate(spec) for spec in run.algorithms.values()],
         callbacks=callbacks,
         loggers=[_instantiate_logger(spec) for spec in run.loggers.values()],
-        **run.trainer,
+        **_trainer_options(run.trainer, plan),
     )
+
+
+def _trainer_options(trainer: dict, plan: BatchPlan) -> dict:
+    """`run.trainer` for composer.Trainer, with the microbatch the plan uses in place of the cap
+    (Composer would run the cap itself: a microbatch larger than the per-device batch, or one that
+    leaves a smaller last microbatch)."""
+    if trainer.get("device_train_microbatch_size") is None:  # unset: Composer's default, one microbatch
+        return trainer
+    return {**trainer, "device_train_microbatch_size": plan.microbatch}
 
 
 def _instantiate_logger(spec: dict):

@@ -153,3 +153,27 @@ class AwaitRemoteLatest(Callback):
                     pass
                 time.sleep(0.1)
         raise TimeoutError(f"{name} did not name the checkpoint of batch {self.batch - 1}")
+
+
+class AwaitRemoteCheckpoint(Callback):
+    """Holds training before batch `batch` until the checkpoint of batch `batch - 1` is in the remote
+    save_folder (the object itself, not Composer's `latest` pointer), so a kill once `batch` is logged
+    finds that checkpoint or a newer one in the bucket. Uploads are asynchronous; the first waits for
+    Composer's upload processes to start, longer than a tiny run's batches take."""
+
+    def __init__(self, batch: int, timeout: float = 300.0):
+        self.batch, self.timeout = batch, timeout
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        if int(state.timestamp.batch) + 1 != self.batch:
+            return
+        saver = next(cb for cb in state.callbacks if getattr(cb, "remote_uploader", None) is not None)
+        folder = os.path.dirname(saver.remote_file_name.format(state).lstrip("/"))
+        want = f"-ba{self.batch - 1}-rank0.pt"
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            saver.batch_end(state, logger)  # where Composer collects finished uploads
+            if any(n.endswith(want) for n in saver.remote_uploader.remote_backend.list_objects(folder)):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"the checkpoint of batch {self.batch - 1} did not reach {folder}")

@@ -80,3 +80,22 @@ def test_cli_unknown_key_exits_nonzero_naming_it():
     with pytest.raises(SystemExit, match="config error: .*no_such_key") as exit:
         train_py.main([str(REPO / "yamls/tiny-cpu.yaml"), "no_such_key=1"])
     assert exit.value.code != 0  # a message as the code exits with status 1
+
+
+def test_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, monkeypatch):
+    import train as train_py
+
+    monkeypatch.chdir(tmp_path)  # the message names the file as given, relative to here
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run_name: x\nseed: [1, 2\nglobal_train_batch_size: 8\n")
+    with pytest.raises(SystemExit) as exit_:
+        train_py.main(["bad.yaml"])
+    assert exit_.value.code == (
+        "config error: bad.yaml, line 3, column 24: invalid YAML: expected ',' or ']', but got ':' "
+        "(while parsing a flow sequence at line 2, column 7)"
+    )
+    # A mistake in a file the defaults list pulls in names that file.
+    (tmp_path / "_base.yaml").write_text("seed: 1\n  optimizer: {}\n")
+    (tmp_path / "child.yaml").write_text("defaults:\n  - _base\n  - _self_\nrun_name: child\n")
+    with pytest.raises(ConfigError, match=r"^_base.yaml, line 2, column 12: invalid YAML: mapping values"):
+        load_config(tmp_path / "child.yaml")

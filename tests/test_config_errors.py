@@ -27,12 +27,8 @@ def _fails(overrides, shapes_mds, match):
         (["run_name=null"], "'run_name' must be set \\(it is empty\\)"),
         (["~global_train_batch_size"], "'global_train_batch_size' is missing"),
         (
-            ["global_train_batch_size=16", "trainer.device_train_microbatch_size=32"],
-            "trainer.device_train_microbatch_size=32 is larger than the per-device batch 16",
-        ),
-        (
-            ["global_train_batch_size=16", "trainer.device_train_microbatch_size=6"],
-            "trainer.device_train_microbatch_size=6 does not divide the per-device batch 16",
+            ["trainer.device_train_microbatch_size=0"],
+            "trainer.device_train_microbatch_size must be a positive integer or 'auto', got 0",
         ),
         (["trainer.precision=amp_bf16"], "'trainer.precision' is amp_bf16, which the CPU cannot run"),
         (["trainer.precision=amp_fp16"], "'trainer.precision' is amp_fp16, which the CPU cannot run"),
@@ -56,6 +52,30 @@ def _fails(overrides, shapes_mds, match):
             ["callbacks.speed_monitor._target_=composer.callbacks.SpeedMonitr"],
             "'callbacks.speed_monitor._target_': cannot import 'composer.callbacks.SpeedMonitr'",
         ),
+        # Values, not only names: what the constructors (or Composer, once built) would refuse.
+        (
+            ["callbacks.samples.sampler=foo"],
+            r"^callbacks.samples.sampler='foo' is not one of \['ddim', 'dpm\+\+', 'euler'\]$",
+        ),
+        (["callbacks.samples.steps=0"], r"^callbacks.samples.steps=0 must be a positive integer$"),
+        (
+            ["callbacks.samples.interval=banana"],
+            r"^'callbacks.samples' \(recipes.samples.SampleGrids\): Invalid time string: banana$",
+        ),
+        (
+            ["algorithms.ema.storage=fp8"],
+            r"^'algorithms.ema' \(recipes.ema.EMA\): EMA storage='fp8'; choose one of",
+        ),
+        (["optimizer.lr=fast"], r"^'optimizer.lr' must be a number, got 'fast'$"),
+        (["optimizer.lr=-1"], r"^'optimizer' \(torch.optim.AdamW\): Invalid learning rate: -1$"),
+        (["scheduler.t_warmup=soon"], r"^'scheduler' \(.*CosineAnnealingWithWarmupScheduler\): Invalid time"),
+        (
+            ["trainer.max_duration=banana"],
+            r"^'trainer.max_duration' must be a duration, e.g. 550000ba .*'banana'$",
+        ),
+        (["trainer.max_duration=0ba"], r"^'trainer.max_duration' must be more than zero, .*got '0ba'$"),
+        (["trainer.max_duration=0"], r"^'trainer.max_duration' must be more than zero, .*got 0$"),
+        (["trainer.max_duration=1dur"], r"^'trainer.max_duration' cannot be in dur"),
         (
             ["+trainer.device_train_microbatch_size=auto"],
             "'trainer.device_train_microbatch_size' is auto, which needs a CUDA GPU",
@@ -85,15 +105,25 @@ def test_gpu_device_without_a_gpu(shapes_mds, nothing_built):
 
 
 def test_missing_data_paths_are_named(shapes_mds, tmp_path, nothing_built):
-    _fails(
-        [f"data.train.local={tmp_path / 'nope'}"],
-        shapes_mds,
-        f"data.train: data.local={tmp_path / 'nope'} holds no",
-    )
-    _fails(["data.train.local=null"], shapes_mds, "data.train: data: set `local`")
-    _fails(
-        [f"+data.eval={{local: {tmp_path / 'gone'}}}"],
-        shapes_mds,
-        f"data.eval: data.local={tmp_path / 'gone'}",
-    )
-    _fails(["data.train.prepare=nosuch"], shapes_mds, "data.train: data.prepare='nosuch' is not one of")
+    # The whole key, as written on the command line (data.train.local, not data.local).
+    nope, gone = tmp_path / "nope", tmp_path / "gone"
+    _fails([f"data.train.local={nope}"], shapes_mds, f"^data.train.local={nope} holds no MDS dataset")
+    _fails(["data.train.local=null"], shapes_mds, "^data.train: set `local`")
+    _fails([f"+data.eval={{local: {gone}}}"], shapes_mds, f"^data.eval.local={gone} holds no MDS dataset")
+    _fails(["data.train.prepare=nosuch"], shapes_mds, "^data.train.prepare='nosuch' is not one of")
+
+
+def test_cli_value_mistakes_are_one_config_error_line(shapes_mds, nothing_built, capsys):
+    """Through train.py's own main, as a user runs it: one line, no traceback."""
+    import train as train_py
+
+    base = [f"data.train.local={shapes_mds / 'mds'}", "~data.train.prepare", "model.pretrained=null"]
+    for override, expected in [
+        ("callbacks.samples.sampler=foo", "config error: callbacks.samples.sampler='foo' is not one of"),
+        ("optimizer.lr=fast", "config error: 'optimizer.lr' must be a number, got 'fast'"),
+        ("trainer.max_duration=0ba", "config error: 'trainer.max_duration' must be more than zero"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            train_py.main([str(TINY), *base, override])
+        assert str(exit_.value.code).startswith(expected)
+        assert "\n" not in str(exit_.value.code)

@@ -63,16 +63,58 @@ def test_sd2_base_numbers_for_8_to_256_gpus(sd2_yaml, capsys):
     assert rows[-1]["days"] * 24 == pytest.approx(8.89, abs=0.005)
 
 
-def test_json_rows_have_exactly_the_keys_and_an_error_where_the_microbatch_does_not_fit(sd2_yaml, capsys):
+def test_json_rows_have_exactly_the_keys_and_the_microbatch_each_count_uses(sd2_yaml, capsys):
     rows = _run_json(capsys, sd2_yaml, "--img-per-sec-per-gpu", "137.5")
-    for row in rows[:-1]:
-        assert list(row) == ROW_KEYS
-    # 2048 / 256 = 8 per device, smaller than the microbatch of 16: reported, not clamped.
-    last = rows[-1]
-    assert list(last) == [*ROW_KEYS, "error"]
-    assert (last["per_device_batch"], last["microbatch"], last["grad_accum"]) == (8, None, None)
-    assert "device_train_microbatch_size=16 is larger than the per-device batch 8" in last["error"]
-    assert [row["grad_accum"] for row in rows[:-1]] == [16, 8, 4, 2, 1]
+    assert all(list(row) == ROW_KEYS for row in rows)
+    # The YAML's 16 is a cap: 2048 / 256 = 8 per device runs as one microbatch of 8.
+    assert [row["microbatch"] for row in rows] == [16, 16, 16, 16, 16, 8]
+    assert [row["grad_accum"] for row in rows] == [16, 8, 4, 2, 1, 1]
+
+
+def test_the_sd2_base_recipe_plans_on_8_to_256_gpus_unchanged(capsys):
+    """The issue's command, on the real recipe: no error row and exit status 0, with the microbatch
+    each count uses (sd2-base's cap of 32)."""
+    main([str(REPO / "yamls/sd2-base.yaml"), "--gpus", *map(str, GPUS), "--img-per-sec-per-gpu", "137.5"])
+    out = capsys.readouterr().out
+    assert "error" not in out
+    rows = [line.split() for line in out.splitlines()]
+    table = {row[0]: row[1:4] for row in rows if row and row[0] in {str(n) for n in GPUS}}
+    assert table == {
+        "8": ["256", "32", "8"],
+        "16": ["128", "32", "4"],
+        "32": ["64", "32", "2"],
+        "64": ["32", "32", "1"],
+        "128": ["16", "16", "1"],
+        "256": ["8", "8", "1"],
+    }
+    assert "microbatch: at most 32 (trainer.device_train_microbatch_size)" in out
+
+
+def test_an_error_row_has_no_days_or_cost_and_the_planner_exits_1(sd2_yaml, capsys):
+    args = [str(sd2_yaml), "--img-per-sec-per-gpu", "137.5", "--gpus", "8", "24"]
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert next(line for line in lines if line.lstrip().startswith("24 ")).split() == [
+        "24",
+        "-",
+        "-",
+        "error",
+        "1,126,400,000",
+        "-",
+        "-",
+        "-",
+    ]
+    assert "error at 24 GPUs: global_train_batch_size=2048 is not divisible by the world size 24" in lines[-1]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--json"])
+    assert exit_.value.code == 1
+    eight, twenty_four = json.loads(capsys.readouterr().out)
+    assert "error" not in eight and eight["days"] > 0
+    assert [twenty_four[k] for k in ("per_device_batch", "microbatch", "days", "gpu_hours", "cost")] == [
+        None
+    ] * 5
 
 
 def test_microbatch_flag_and_trailing_overrides(sd2_yaml, capsys):
@@ -88,14 +130,11 @@ def test_microbatch_flag_and_trailing_overrides(sd2_yaml, capsys):
             "--json",
             "--gpus",
             "8",
-            "24",
             "global_train_batch_size=1024",
         ]
     )
-    eight, twenty_four = json.loads(capsys.readouterr().out)
+    (eight,) = json.loads(capsys.readouterr().out)
     assert (eight["images"], eight["per_device_batch"], eight["grad_accum"]) == (550_000 * 1024, 128, 8)
-    assert twenty_four["per_device_batch"] is None
-    assert "global_train_batch_size=1024 is not divisible by the world size 24" in twenty_four["error"]
 
 
 def test_published_two_stage_cost_is_about_31k():
@@ -169,7 +208,8 @@ def test_cli_prints_the_table(sd2_yaml, capsys, monkeypatch):
     assert "assumes linear scaling" in out
     eight = next(line.split() for line in out.splitlines() if line.lstrip().startswith("8 "))
     assert eight == ["8", "256", "16", "16", "1,126,400,000", "11.85", "2,275.6", "$4,551"]
-    assert "error at 256 GPUs: trainer.device_train_microbatch_size=16 is larger" in out
+    last = next(line.split() for line in out.splitlines() if line.lstrip().startswith("256 "))
+    assert last == ["256", "8", "8", "1", "1,126,400,000", "0.37", "2,275.6", "$4,551"]
 
 
 def test_throughput_benchmark_writes_what_the_planner_reads(shapes_mds, tmp_path, monkeypatch, capsys):

@@ -8,6 +8,14 @@ downloads the checkpoint that object names to `./s3:/BUCKET/PREFIX/latest-rank0.
 working directory, which is why the runs here start in tmp_path.
 """
 
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+
 import pytest
 
 from tests.resume_check import (
@@ -51,4 +59,88 @@ def test_sigkill_and_resume_from_s3_is_bitwise_identical(s3_server, reference_ru
     assert any(
         k.startswith(f"resume-{tmp_path.name}/ckpt/") and k.endswith(f"-ba{BATCHES}-rank0.pt") for k in keys
     )
+    assert_same_run(reference_run(1), tmp_path, why)
+
+
+def _remote_batches(server, prefix: str) -> list[int]:
+    """The batch counts of the rank-0 checkpoints in the bucket under `prefix`."""
+    listing = server.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix)
+    names = [o["Key"] for o in listing.get("Contents", [])]
+    return sorted(int(m[1]) for n in names if (m := re.search(r"-ba(\d+)-rank0\.pt$", n)))
+
+
+def _run_until_logged(cmd, cwd, env, loss_log, batch, timeout=300) -> list[int]:
+    """Run `cmd` and SIGKILL its process group at a random moment after it logs `batch` (this run's
+    own record, not an earlier run's); the batches this run logged."""
+    start = loss_log.stat().st_size if loss_log.exists() else 0
+    stderr = loss_log.with_name(f"stderr-{batch}.txt")
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+        )
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            new = loss_log.read_bytes()[start:].decode() if loss_log.exists() else ""
+            logged = [json.loads(line)["batch"] for line in new.splitlines() if line.endswith("}")]
+            if batch in logged:
+                time.sleep(random.uniform(0.0, 0.3))  # inside the next batch, its save or its upload
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+                new = loss_log.read_bytes()[start:].decode()
+                return [json.loads(line)["batch"] for line in new.splitlines() if line.endswith("}")]
+            if proc.poll() is not None:
+                raise AssertionError(f"training exited ({proc.returncode}): " + stderr.read_text()[-3000:])
+            time.sleep(0.02)
+        raise AssertionError(f"batch {batch} not logged in {timeout} s")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_three_kills_each_restart_resumes_from_the_newest_checkpoint_in_the_bucket(
+    s3_server,  # noqa: F811
+    reference_run,
+    shapes_mds,
+    tmp_path,
+):
+    """Composer 0.32.1's own autoresume went back in time on the second restart (it preferred the
+    `./s3:/...` copy the first restart left in the working directory) and lagged the bucket by the
+    30-40 s its `latest` pointer takes to upload. Here every restart must resume right after the
+    newest checkpoint in the bucket, write nothing in its working directory, and the run must end
+    with the uninterrupted run's weights."""
+    env = train_env(**s3_server.env())
+    seed = int(os.environ.get("KILL_SEED") or random.randrange(2**32))
+    rng = random.Random(seed)
+    first = rng.randint(2, 3)
+    kills = [first, rng.randint(first + 2, 5), rng.randint(6, BATCHES - 1)]
+    why = f"killed at batches {kills}; repeat with KILL_SEED={seed}"
+    prefix = f"resume3-{tmp_path.name}/ckpt"
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    loss_log = tmp_path / "loss.jsonl"
+
+    def command(await_batch: int | None):
+        probe = [
+            f"+callbacks.await_ckpt={{_target_: tests.probes.AwaitRemoteCheckpoint, batch: {await_batch}}}"
+        ]
+        return train_command(1, tmp_path, shapes_mds, *(probe if await_batch else []),
+                             save_folder=f"s3://{BUCKET}/{prefix}")  # fmt: skip
+
+    for i, kill_at in enumerate([*kills, None]):
+        in_bucket = _remote_batches(s3_server, prefix)
+        expected_start = (max(in_bucket) if in_bucket else 0) + 1
+        if kill_at is None:
+            before = loss_log.read_text().count("\n")
+            result = run(command(None), workdir, env)
+            assert result.returncode == 0, f"{why}: " + result.stderr[-3000:]
+            logged = [json.loads(line)["batch"] for line in loss_log.read_text().splitlines()[before:]]
+        else:
+            logged = _run_until_logged(command(kill_at), workdir, env, loss_log, kill_at)
+        assert logged[0] == expected_start, (
+            f"restart {i}: resumed at {logged[0]}, bucket held {in_bucket}; {why}"
+        )
+
+    assert list(workdir.iterdir()) == [], f"written outside the configured folders: {list(workdir.iterdir())}"
+    assert _remote_batches(s3_server, prefix)[-1] == BATCHES
     assert_same_run(reference_run(1), tmp_path, why)

@@ -11,7 +11,7 @@ from tests.conftest import REPO
 
 
 def test_global_batch_splits_over_8_to_256_devices():
-    # The published SD2 base global batch, 2048, with its microbatch of 16.
+    # The published SD2 base global batch, 2048, with microbatches of 16.
     assert plan_batches(2048, 8, 16) == BatchPlan(per_device_batch=256, microbatch=16, grad_accum=16)
     assert plan_batches(2048, 128, 16) == BatchPlan(16, 16, 1)
     assert plan_batches(2048, 256, 8) == BatchPlan(8, 8, 1)
@@ -33,20 +33,55 @@ def test_world_size_that_does_not_divide_the_global_batch_names_the_numbers():
         plan_batches(2048, 24, 16)
 
 
-def test_microbatch_larger_than_per_device_batch_names_the_numbers():
-    with pytest.raises(ConfigError) as err:
-        plan_batches(2048, 256, 16)
-    text = str(err.value)
-    assert "trainer.device_train_microbatch_size=16 is larger than the per-device batch 8" in text
-    assert "global_train_batch_size=2048 / 256 devices" in text
+def test_microbatch_is_a_cap_the_largest_divisor_not_above_it_is_used():
+    # sd2-base's 32 on 8..256 GPUs: per-device 256..8; from 128 GPUs on the per-device batch is smaller.
+    plans = [plan_batches(2048, n, 32) for n in (8, 16, 32, 64, 128, 256)]
+    assert [(p.per_device_batch, p.microbatch, p.grad_accum) for p in plans] == [
+        (256, 32, 8),
+        (128, 32, 4),
+        (64, 32, 2),
+        (32, 32, 1),
+        (16, 16, 1),
+        (8, 8, 1),
+    ]
+    assert plan_batches(2048, 8, 48) == BatchPlan(256, 32, 8)  # not a divisor: the next one below
+    assert plan_batches(96, 1, 64) == BatchPlan(96, 48, 2)
+    assert plan_batches(14, 2, 4) == BatchPlan(7, 1, 7)  # a prime per-device batch: microbatches of 1
 
 
-def test_microbatch_that_does_not_divide_names_the_numbers_and_a_divisor():
-    with pytest.raises(ConfigError) as err:
-        plan_batches(2048, 8, 48)
-    text = str(err.value)
-    assert "trainer.device_train_microbatch_size=48 does not divide the per-device batch 256" in text
-    assert "nearest smaller divisor is 32" in text
+def test_the_trainer_gets_the_microbatch_used_and_the_log_says_so(shapes_mds, monkeypatch, caplog):
+    """composer.Trainer receives the effective microbatch, not the YAML's cap (which Composer would
+    run as given: one microbatch larger than the batch, or a smaller last one)."""
+    import recipes.trainer
+    from recipes import build_trainer, load_config
+
+    given = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_trainer(**kwargs):
+        given.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(recipes.trainer, "Trainer", fake_trainer)
+    base = [f"data.train.local={shapes_mds / 'mds'}", "~data.train.prepare", "model.pretrained=null"]
+    base += ["global_train_batch_size=16", "callbacks.samples=null", "algorithms.ema=null"]
+    for cap, used, accum in [(32, 16, 1), (6, 4, 4), (8, 8, 2)]:
+        caplog.clear()
+        overrides = [*base, f"trainer.device_train_microbatch_size={cap}"]
+        with caplog.at_level("INFO", logger="recipes.trainer"), pytest.raises(Stop):
+            build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", overrides))
+        assert given["device_train_microbatch_size"] == used
+        capped = f", capped by trainer.device_train_microbatch_size={cap}" if cap != used else ""
+        assert f"16 per device (microbatch {used}{capped}, gradient accumulation {accum})" in caplog.text
+
+
+def test_a_global_batch_the_world_size_does_not_divide_stays_an_error():
+    with pytest.raises(
+        ConfigError, match="global_train_batch_size=2048 is not divisible by the world size 24"
+    ):
+        plan_batches(2048, 24, 32)
 
 
 @pytest.mark.parametrize("microbatch", [0, -4, 1.5, True, "big"])
