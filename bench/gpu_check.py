@@ -37,22 +37,27 @@ ANCHORS = {  # img/s per GPU to reach, and where the number comes from
     512: (124.0, "NVIDIA's MLPerf Training v4.1 SD per H100"),
 }
 MICROBATCH = {256: 32, 512: 16}
+# The UNet sharded per block, ZeRO-2, bf16 weights: what sd2-base ran until 2026-11-25 (its YAML gives
+# the override that switches it on).
+FSDP = "+trainer.parallelism_config={fsdp: {sharding_strategy: SHARD_GRAD_OP, mixed_precision: PURE}}"
 VARIANTS = {  # name -> overrides on top of the recipe; the first is the baseline
-    "baseline (sdpa, per-block FSDP)": [],
+    "baseline (sdpa, DDP / no wrapper on 1 GPU)": [],
     "math attention": ["model.attention=math"],
     "channels_last": ["model.channels_last=true"],
     "compile": ["model.compile_unet=true"],
-    "FSDP: whole UNet": ["model.fsdp_wrap=unet"],
-    "FSDP: per layer": ["model.fsdp_wrap=layers"],
-    "checkpointing, 2x microbatch": [
+    "gradient checkpointing, 2x microbatch": ["model.gradient_checkpointing=true", "MICROBATCH_X2"],
+    "2x microbatch": ["MICROBATCH_X2"],
+    # The first H100 run (FSDP per block) was launch-bound at 0.58x a plain loop (README "GPU
+    # figures"); these tell what FSDP's hooks and the norms' casts cost on the GPU.
+    "FSDP per block": [FSDP],
+    "FSDP: whole UNet": [FSDP, "model.fsdp_wrap=unet"],
+    "FSDP: per layer": [FSDP, "model.fsdp_wrap=layers"],
+    "FSDP, checkpointing, 2x microbatch": [
+        FSDP,
         "model.activation_checkpointing=blocks",
         "trainer.parallelism_config.fsdp.activation_checkpointing=true",
         "MICROBATCH_X2",
     ],
-    "2x microbatch": ["MICROBATCH_X2"],
-    # The first H100 run was launch-bound at 0.58x a plain loop (README "GPU figures"); these two
-    # tell what FSDP's hooks (DDP on several GPUs, nothing on one) and the norms' casts cost.
-    "DDP, no FSDP": ["~trainer.parallelism_config"],
     "no low-precision norms": ["model.low_precision_norms=null"],
 }
 PLAIN = "plain PyTorch loop, 1 GPU (the ceiling)"
@@ -112,7 +117,8 @@ def throughput(n: int, out: Path, resolution: int, name: str, overrides: list[st
 def peak_flops() -> float:
     """Composer's bf16 peak for this GPU (SpeedMonitor's table), NaN for one it does not know."""
     import torch
-    from composer.callbacks.speed_monitor import GPU_AVAILABLE_FLOPS
+
+    from compat.composer import GPU_AVAILABLE_FLOPS
 
     name = torch.cuda.get_device_name().lower()
     for chip in ("h200", "h100", "a100", "a10"):

@@ -9,7 +9,6 @@ import io
 import json
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -109,50 +108,6 @@ class KillDuringSave(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
         torch.save = torn_save  # the next save is this batch's checkpoint (BATCH_CHECKPOINT follows)
-
-
-class FastRemoteSymlinks(Callback):
-    """Composer uploads a remote save_folder's `latest` symlink only after a helper process has seen
-    the checkpoint itself in the bucket, polling every 30 s; tests poll every 0.2 s so that a short
-    run's symlink lands within the run. Nothing else about saving changes."""
-
-    def fit_start(self, state: State, logger: Logger) -> None:
-        for callback in state.callbacks:
-            if hasattr(callback, "_symlink_upload_wait_before_next_try_in_seconds"):
-                callback._symlink_upload_wait_before_next_try_in_seconds = 0.2
-
-
-class AwaitRemoteLatest(Callback):
-    """Holds training before batch `batch` until the remote save_folder's `latest` symlink names the
-    checkpoint of batch `batch - 1`, so a kill once `batch` is logged must resume from the bucket.
-
-    Uploads are asynchronous, and the first one waits for composer's upload processes to start;
-    without this a short run can finish training before anything is in the bucket. Composer uploads
-    the symlink from its CheckpointSaver's batch_end, so the wait keeps calling that.
-    """
-
-    def __init__(self, batch: int, timeout: float = 300.0):
-        self.batch, self.timeout = batch, timeout
-
-    def after_dataloader(self, state: State, logger: Logger) -> None:
-        if int(state.timestamp.batch) + 1 != self.batch:
-            return
-        saver = next(cb for cb in state.callbacks if getattr(cb, "remote_uploader", None) is not None)
-        name = saver.latest_remote_file_name.format(state).lstrip("/") + ".symlink"
-        want = f"-ba{self.batch - 1}-rank0.pt"
-        deadline = time.monotonic() + self.timeout
-        with tempfile.TemporaryDirectory() as tmp:
-            local = os.path.join(tmp, "latest.symlink")
-            while time.monotonic() < deadline:
-                saver.batch_end(state, logger)
-                try:
-                    saver.remote_uploader.remote_backend.download_object(name, local, overwrite=True)
-                    if Path(local).read_text().endswith(want):
-                        return
-                except FileNotFoundError:
-                    pass
-                time.sleep(0.1)
-        raise TimeoutError(f"{name} did not name the checkpoint of batch {self.batch - 1}")
 
 
 class AwaitRemoteCheckpoint(Callback):

@@ -212,6 +212,7 @@ def test_cli_prints_the_table(sd2_yaml, capsys, monkeypatch):
     assert last == ["256", "8", "8", "1", "1,126,400,000", "0.37", "2,275.6", "$4,551"]
 
 
+@pytest.mark.fit
 def test_throughput_benchmark_writes_what_the_planner_reads(shapes_mds, tmp_path, monkeypatch, capsys):
     """bench/throughput.py trains the sd2-base recipe's wiring (tiny preset, CPU) a few batches and
     writes a file the planner then uses; its rate is the measured one, not a constant. Both run
@@ -228,7 +229,6 @@ def test_throughput_benchmark_writes_what_the_planner_reads(shapes_mds, tmp_path
         "data.train.num_canonical_nodes=1",
         "trainer.device=cpu",
         "trainer.precision=fp32",
-        "~trainer.parallelism_config",
     ]
     args = [
         str(REPO / "yamls/sd2-base.yaml"),

@@ -1,11 +1,11 @@
-"""Deterministic resume with save_folder on s3:// (the SeaweedFS test server): a run killed with
-SIGKILL at a random batch and restarted with the same command resumes from the bucket and ends
-bitwise identical to an uninterrupted run.
+"""Resume with save_folder on s3:// (the SeaweedFS test server): a run killed with SIGKILL three
+times at random batches, restarted each time with the same command, resumes right after the newest
+checkpoint in the bucket (recipes/resume.py), writes nothing in its working directory and ends
+bitwise identical to an uninterrupted run. Its data are read from the bucket too, through a cache
+that starts empty.
 
-Composer 0.32 stages a remote save_folder's checkpoints in a temporary folder and uploads them (and
-a `latest-rank0.pt.symlink` object naming the newest) asynchronously; on restart, autoresume
-downloads the checkpoint that object names to `./s3:/BUCKET/PREFIX/latest-rank0.pt` under the
-working directory, which is why the runs here start in tmp_path.
+Composer 0.32 stages a remote save_folder's checkpoints in a temporary folder and uploads them
+asynchronously, from processes it spawns at the start of each run.
 """
 
 import json
@@ -18,48 +18,11 @@ import time
 
 import pytest
 
-from tests.resume_check import (
-    BATCHES,
-    assert_same_run,
-    kill_point,
-    run,
-    run_and_kill_at,
-    train_command,
-    train_env,
-)
+from tests.resume_check import BATCHES, assert_same_run, run, train_command, train_env
 from tests.s3_server import BUCKET, s3_server  # noqa: F401  (fixture)
+from tests.test_train_from_s3 import upload_folder
 
 pytestmark = pytest.mark.slow
-
-
-def _restart_batch(loss_log) -> int:
-    """The first batch the restarted run trained (its records follow the killed run's)."""
-    batches = [int(line.split(":")[1].split(",")[0]) for line in loss_log.read_text().splitlines()]
-    return next(b for prev, b in zip(batches, batches[1:]) if b <= prev)
-
-
-def test_sigkill_and_resume_from_s3_is_bitwise_identical(s3_server, reference_run, shapes_mds, tmp_path):  # noqa: F811
-    # Where checkpoints go does not change training: the shared reference saved to a local folder.
-    env = train_env(**s3_server.env())
-    kill_at, why = kill_point(2, BATCHES - 3)
-    save_folder = f"s3://{BUCKET}/resume-{tmp_path.name}/ckpt"
-    probes = [
-        "+callbacks.fast_symlinks={_target_: tests.probes.FastRemoteSymlinks}",
-        f"+callbacks.await_remote={{_target_: tests.probes.AwaitRemoteLatest, batch: {kill_at}}}",
-    ]
-    command = train_command(1, tmp_path, shapes_mds, *probes, save_folder=save_folder)
-    run_and_kill_at(command, tmp_path, env, tmp_path / "loss.jsonl", kill_at)
-    assert not (tmp_path / "unet-rank0.pt").exists()
-    again = run(command, tmp_path, env)  # the same command; await_remote finds the bucket ready at once
-    assert again.returncode == 0, f"{why}: " + again.stderr[-3000:]
-
-    # It resumed from the bucket (not from scratch): from the checkpoint of batch kill_at - 1 or later.
-    assert _restart_batch(tmp_path / "loss.jsonl") >= kill_at, why
-    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=BUCKET)["Contents"]]
-    assert any(
-        k.startswith(f"resume-{tmp_path.name}/ckpt/") and k.endswith(f"-ba{BATCHES}-rank0.pt") for k in keys
-    )
-    assert_same_run(reference_run(1), tmp_path, why)
 
 
 def _remote_batches(server, prefix: str) -> list[int]:
@@ -104,11 +67,12 @@ def test_three_kills_each_restart_resumes_from_the_newest_checkpoint_in_the_buck
     shapes_mds,
     tmp_path,
 ):
-    """Composer 0.32.1's own autoresume went back in time on the second restart (it preferred the
-    `./s3:/...` copy the first restart left in the working directory) and lagged the bucket by the
-    30-40 s its `latest` pointer takes to upload. Here every restart must resume right after the
-    newest checkpoint in the bucket, write nothing in its working directory, and the run must end
-    with the uninterrupted run's weights."""
+    """A run reading its data from S3 through an empty cache and saving its checkpoints there,
+    killed three times. Composer 0.32.1's own autoresume went back in time on the second restart (it
+    preferred the `./s3:/...` copy the first restart left in the working directory) and lagged the
+    bucket by the 30-40 s its `latest` pointer takes to upload. Here every restart must resume right
+    after the newest checkpoint in the bucket, write nothing in its working directory, and the run
+    must end with the uninterrupted run's weights."""
     env = train_env(**s3_server.env())
     seed = int(os.environ.get("KILL_SEED") or random.randrange(2**32))
     rng = random.Random(seed)
@@ -120,12 +84,15 @@ def test_three_kills_each_restart_resumes_from_the_newest_checkpoint_in_the_buck
     workdir.mkdir()
     loss_log = tmp_path / "loss.jsonl"
 
+    # The data too are read from the bucket, through a cache that starts empty, as on a fresh node.
+    data = upload_folder(s3_server, shapes_mds / "mds", f"resume3-{tmp_path.name}/data")
+    remote_data = [f"data.train.remote={data}", f"data.train.local={tmp_path / 'cache'}"]
+
     def command(await_batch: int | None):
-        probe = [
-            f"+callbacks.await_ckpt={{_target_: tests.probes.AwaitRemoteCheckpoint, batch: {await_batch}}}"
-        ]
-        return train_command(1, tmp_path, shapes_mds, *(probe if await_batch else []),
-                             save_folder=f"s3://{BUCKET}/{prefix}")  # fmt: skip
+        probe = f"{{_target_: tests.probes.AwaitRemoteCheckpoint, batch: {await_batch}}}"
+        probes = [f"+callbacks.await_ckpt={probe}"] if await_batch else []
+        save_folder = f"s3://{BUCKET}/{prefix}"
+        return train_command(1, tmp_path, shapes_mds, *remote_data, *probes, save_folder=save_folder)
 
     for i, kill_at in enumerate([*kills, None]):
         in_bucket = _remote_batches(s3_server, prefix)
@@ -137,10 +104,10 @@ def test_three_kills_each_restart_resumes_from_the_newest_checkpoint_in_the_buck
             logged = [json.loads(line)["batch"] for line in loss_log.read_text().splitlines()[before:]]
         else:
             logged = _run_until_logged(command(kill_at), workdir, env, loss_log, kill_at)
-        assert logged[0] == expected_start, (
-            f"restart {i}: resumed at {logged[0]}, bucket held {in_bucket}; {why}"
-        )
+        where = f"run {i + 1}: resumed at {logged[0]}, the bucket held {in_bucket}; {why}"
+        assert logged[0] == expected_start, where
 
-    assert list(workdir.iterdir()) == [], f"written outside the configured folders: {list(workdir.iterdir())}"
+    written = list(workdir.iterdir())
+    assert written == [], f"written outside the configured folders: {written}"
     assert _remote_batches(s3_server, prefix)[-1] == BATCHES
     assert_same_run(reference_run(1), tmp_path, why)
