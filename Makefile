@@ -13,7 +13,7 @@ export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: install demo test lint format bench gpu-check clean
+.PHONY: install demo test test-fast lint format bench gpu-check clean
 
 install: $(STAMP)
 
@@ -36,8 +36,15 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# Two test tiers (marks in tests/tiers.py). `make test`: the whole suite, lint first; what CI runs.
 test: lint
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --durations=15
+
+# `make test-fast`: unit tests only, for the edit-test loop: no Composer fit, no subprocess, no server
+# (deselects the marks fit, subprocess, server, heavy and slow). Under 90 s on 2 idle cores. No lint.
+FAST_TIER := not (fit or subprocess or server or heavy or slow)
+test-fast: install
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) -m "$(FAST_TIER)" --durations=10
 
 # The GPU path measured and checked (bench/gpu_check.py); exits with one line where there is no CUDA.
 gpu-check: install

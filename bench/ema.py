@@ -50,7 +50,7 @@ class _LiveBytes:
     def __init__(self, preexisting):
         import weakref
 
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from compat.torch import TorchDispatchMode
 
         tracker = self
         self.known = {t.untyped_storage().data_ptr() for t in preexisting}
@@ -133,7 +133,7 @@ def child(model_name: str, variant: str, updates: int) -> dict:
         ema.step(0)  # allocate and initialise from the weights
         update = ema.step
     elif variant == "composer":
-        from composer.algorithms.ema.ema import EMAParameters, compute_ema
+        from compat.composer import EMAParameters, compute_ema
 
         shadow = EMAParameters(model)
 

@@ -78,8 +78,7 @@ def read_input(root: str, buckets: tuple[tuple[str, tuple[dict, ...]], ...]) -> 
 def shard_rows(root: str, entry: dict) -> Iterator[dict]:
     """The rows of one MDS shard (its index.json entry), decompressing it to a temporary file when
     only the compressed form is there."""
-    from streaming.base.compression import decompress
-    from streaming.base.format import reader_from_json
+    from compat.streaming import decompress, reader_from_json
 
     with contextlib.ExitStack() as stack:
         dirname = root

@@ -9,7 +9,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from streaming.base.util import merge_index
+from compat.streaming import UPLOAD_LOGGER, merge_index
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ class _DropMergeNotices(logging.Filter):
         return not (message.startswith("A temporary folder") or "exists and not empty" in message)
 
 
-NOISY_LOGGERS = ("", "streaming.base.storage.upload")
+NOISY_LOGGERS = ("", UPLOAD_LOGGER)
 
 
 def merge_indexes(store, markers: list[dict], work_dir: Path) -> None:

@@ -16,12 +16,13 @@
    which still costs the worker's one core the GIL hand-overs: 0.37-0.39 ms of a 512x384 JPEG
    sample's 2.8-3.3 ms here (bench/loader.py's data, best of 5, in and out of a DataLoader worker;
    docs/benchmarks.md). Then the sample ids come from the same call as streaming's own `__iter__`
-   (`_get_work`: the same order, shuffle, elastic partition and mid-epoch resume) and each sample
-   is read directly. A shard that is missing or still compressed goes through `get_item`'s own
-   `prepare_shard` as before, in the loop instead of ahead of it.
+   (`_get_work`, through compat.streaming.epoch_sample_ids: the same order, shuffle, elastic
+   partition and mid-epoch resume) and each sample is read directly. A shard that is missing or
+   still compressed goes through `get_item`'s own `prepare_shard` as before, in the loop instead of
+   ahead of it.
 
-`__iter__` mirrors streaming 0.13's set-up steps; tests/test_streaming_base.py checks the order
-against streaming's own iteration, and the lock against concurrent processes.
+`__iter__` mirrors streaming 0.13's set-up steps (compat/streaming.py); tests/test_streaming_base.py
+checks the order against streaming's own iteration, and the lock against concurrent processes.
 """
 
 import fcntl
@@ -33,7 +34,8 @@ from typing import Any
 
 import torch.distributed
 from streaming import StreamingDataset
-from streaming.base.world import World
+
+from compat.streaming import World, epoch_sample_ids, stop_epoch_threads
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PREFIX_LOCK = os.path.join(SHM_DIR, "sd-recipes-streaming-prefix.lock")
@@ -70,12 +72,8 @@ class StreamingBase(StreamingDataset):
         if not (self.iterate_local_directly and self._all_local()):
             yield from super().__iter__()
             return
-        if hasattr(self, "_iterator"):  # a threaded epoch before this one: stop its threads
-            self._iterator.exit()
+        stop_epoch_threads(self)  # a threaded epoch before this one: stop its threads
         # streaming 0.13's __iter__ up to its threads: workers, resume state or next epoch, ids.
-        self._unique_worker_world = self._unique_rank_world.detect_workers()
-        self._parallel_worker_world = self._parallel_rank_world.detect_workers()
-        epoch, sample_in_epoch = self._resume_incr_epoch()
-        for sample_id in self._get_work(epoch, sample_in_epoch):
+        for sample_id in epoch_sample_ids(self):
             if sample_id != -1:  # streaming's padding where a partition is short
                 yield self[sample_id]

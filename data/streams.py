@@ -20,9 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from streaming.base.shuffle import algos as SHUFFLE_ALGOS
-from streaming.base.util import bytes_to_int
-
+from compat.streaming import SHUFFLE_ALGOS, CloudDownloader, bytes_to_int
 from data.buckets import bucket_ratio
 
 log = logging.getLogger(__name__)
@@ -127,8 +125,6 @@ def read_index(remote: str | None, local: str | None, timeout: float = 60) -> di
         raise FileNotFoundError(f"{local} holds no MDS dataset (no index.json)")
     # streaming 0.13's own downloader for the remote's scheme (s3, gs, oci, azure, hf, dbfs, sftp),
     # with the credentials and endpoint streaming itself will use (S3_ENDPOINT_URL, AWS_*).
-    from streaming.base.storage import CloudDownloader
-
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "index.json")
         CloudDownloader.direct_download(os.path.join(remote, "index.json"), path, timeout)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-from diffusers.models.attention_processor import AttnProcessor
 from transformers import CLIPTextModel, CLIPTokenizer
 
+from compat.diffusers import AttnProcessor
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
 from models.presets import PRESETS, build_components
 from models.sharding import GRANULARITIES

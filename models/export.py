@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline
-from transformers.integrations.accelerate import init_empty_weights
 
+from compat.transformers import init_empty_weights
 from models.checkpoint_file import CheckpointError, ema_state, one_line_errors, raw_state, read_checkpoint
 from models.lora import merge_lora, save_lora
 from models.presets import PRESETS, build_components

@@ -65,8 +65,9 @@ def drop_frozen_weights(module, state_dict, prefix, local_metadata) -> None:
 
 def lora_state_dict(unet) -> dict[str, torch.Tensor]:
     """The adapter's weights under diffusers' LoRA names."""
-    from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
+
+    from compat.diffusers import convert_state_dict_to_diffusers
 
     return convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
 

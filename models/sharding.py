@@ -17,8 +17,9 @@ Units, from coarse to fine:
 """
 
 import torch
-from diffusers.models.resnet import ResnetBlock2D
-from diffusers.models.transformers.transformer_2d import Transformer2DModel
+from diffusers import Transformer2DModel
+
+from compat.diffusers import ResnetBlock2D
 
 GRANULARITIES = ("unet", "blocks", "layers")
 

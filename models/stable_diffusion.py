@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 from composer.models import ComposerModel
 from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
-from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
 from torchmetrics import MeanSquaredError
 
+from compat.diffusers import DiagonalGaussianDistribution, rescale_noise_cfg
 from models.flops import unet_training_flops
 from models.pixels import to_float
 from models.tokenizer import tokenize

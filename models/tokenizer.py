@@ -22,7 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from transformers import CLIPTokenizer
-from transformers.models.clip.tokenization_clip import bytes_to_unicode, whitespace_clean
+
+from compat.transformers import (
+    added_tokens_decoder,
+    added_tokens_encoder,
+    bytes_to_unicode,
+    convert_slow_tokenizer,
+    whitespace_clean,
+)
 
 MAX_LENGTH = 77  # CLIP's context length
 # CLIP keeps the first 49152 - 256 - 2 lines of the BPE file (line 0 is a version header); the
@@ -103,14 +110,12 @@ class CaptionEncoder:
             and tokenizer.padding_side == "right"
             and tokenizer.truncation_side == "right"
             and not any(
-                t.lstrip or t.rstrip or t.single_word for t in tokenizer._added_tokens_decoder.values()
+                t.lstrip or t.rstrip or t.single_word for t in added_tokens_decoder(tokenizer).values()
             )
         ):
-            from transformers.convert_slow_tokenizer import convert_slow_tokenizer
-
             self.backend = convert_slow_tokenizer(tokenizer)
             self.backend.normalizer = None  # done in Python, as the slow tokenizer does
-            self.added = dict(tokenizer._added_tokens_encoder)
+            self.added = dict(added_tokens_encoder(tokenizer))
             longest_first = sorted(self.added, key=len, reverse=True)
             self.split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")").split
             self.fix_text = tokenizer.fix_text

@@ -13,6 +13,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import checkpoint, dist, format_name_with_dist, reproducibility
 
+from compat.composer import take_loaded_rng_state
 from convert.atomic import atomic_path
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,8 @@ class RestoreRngOnResume(Callback):
 
     def fit_start(self, state: State, logger: Logger) -> None:
         resumed_mid_epoch = int(state.timestamp.batch_in_epoch) > 0 and "train" in state.dataset_resumption
-        if self.trainer._rng_state is not None and resumed_mid_epoch:
-            self.pending, self.trainer._rng_state = self.trainer._rng_state, None
+        if resumed_mid_epoch and (loaded := take_loaded_rng_state(self.trainer)) is not None:
+            self.pending = loaded
 
     def after_dataloader(self, state: State, logger: Logger) -> None:
         self._restore(f"at batch {int(state.timestamp.batch) + 1}")

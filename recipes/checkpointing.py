@@ -11,8 +11,7 @@ either is complete or does not exist.
 import functools
 import logging
 
-from composer.utils import checkpoint
-
+from compat.composer import checkpoint_file_writer, set_checkpoint_file_writer
 from convert.atomic import atomic_path
 
 log = logging.getLogger(__name__)
@@ -20,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def install_atomic_checkpoint_writes() -> None:
     """Make composer's checkpoint file writes atomic (idempotent)."""
-    original = checkpoint._write_checkpoint_file
+    original = checkpoint_file_writer()
     if getattr(original, "_atomic", False):
         return
 
@@ -32,4 +31,4 @@ def install_atomic_checkpoint_writes() -> None:
             original(state_dict, str(tmp))
 
     write_atomically._atomic = True
-    checkpoint._write_checkpoint_file = write_atomically
+    set_checkpoint_file_writer(write_atomically)

@@ -25,7 +25,8 @@ import logging
 import torch
 from composer.core import Algorithm, Event, State, Time, TimeUnit
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp._runtime_utils import _reshard  # torch is pinned (2.7.0)
+
+from compat.torch import free_gathered_weights, uses_orig_params
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,7 @@ def _drop_gathered_weights(root: torch.nn.Module) -> None:
     and a forward reuses them, so weights written into the shards meanwhile would go unseen.
     Unsharded handles (NO_SHARD: FSDP's choice on one process) have nothing to drop: their
     parameters are the flat parameter itself (found by `make gpu-check` on one GPU)."""
-    for module in FSDP.fsdp_modules(root):
-        handle = module._handle
-        if handle is not None and handle.uses_sharded_strategy and not handle.needs_unshard():
-            _reshard(module, handle, True)
+    free_gathered_weights(root)
 
 
 def _strip_wrappers(name: str) -> str:
@@ -171,7 +169,7 @@ class EMA(Algorithm):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         sharded = [m for m in model.modules() if isinstance(m, FSDP)]
-        if any(not m._use_orig_params for m in sharded):
+        if any(not uses_orig_params(m) for m in sharded):
             raise ValueError("EMA under FSDP needs use_orig_params=True (Composer's default)")
         self._fsdp_root = model if sharded else None
 

@@ -34,6 +34,7 @@ from torchvision import transforms
 from torchvision.utils import save_image
 from tqdm import tqdm
 
+from compat.composer import torch_device as compat_torch_device
 from convert.atomic import atomic_path, atomic_write_bytes
 from models.checkpoint_file import one_line_errors
 from models.export import add_weight_args
@@ -253,7 +254,7 @@ def evaluate(args) -> list[dict] | None:
     inception = extractors.inception(args.extractors, args.inception_weights)
     clip = extractors.clip(args.extractors, args.clip_model, args.clip_arch)
     model = load_model(args.source, args.ema, preset=args.preset, prediction_type=args.prediction_type)
-    torch_device = device._device
+    torch_device = compat_torch_device(device)
     model.to(torch_device), inception.to(torch_device), clip.model.to(torch_device)
     resolution = args.resolution or model.unet.config.sample_size * model.vae_scale_factor
     rows = choose_rows(dataset.num_samples, args.n, args.seed)  # len() is per rank

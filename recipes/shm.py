@@ -19,9 +19,16 @@ from pathlib import Path
 from tempfile import gettempdir
 
 from composer.utils import dist
-from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
-from streaming.base.shared.prefix import _get_path, _unpack_locals
-from streaming.base.util import clean_stale_shared_memory
+
+from compat.streaming import (
+    BARRIER_FILELOCK,
+    CACHE_FILELOCK,
+    LOCALS,
+    SHM_TO_CLEAN,
+    clean_stale_shared_memory,
+    registered_locals,
+    shm_path,
+)
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")  # where POSIX shared memory lives on Linux
@@ -29,10 +36,9 @@ SHM_DIR = Path("/dev/shm")  # where POSIX shared memory lives on Linux
 
 def _registered_locals(locals_block: Path) -> list[str]:
     try:
-        their_locals, _ = _unpack_locals(locals_block.read_bytes())
+        return registered_locals(locals_block.read_bytes())
     except (OSError, ValueError, UnicodeDecodeError):  # vanished meanwhile, or not streaming's
         return []
-    return their_locals
 
 
 def remove_registrations(stale) -> list[int]:
@@ -44,9 +50,9 @@ def remove_registrations(stale) -> list[int]:
             continue
         prefix_int = int(prefix)
         for name in SHM_TO_CLEAN:
-            (SHM_DIR / _get_path(prefix_int, name).lstrip("/")).unlink(missing_ok=True)
+            (SHM_DIR / shm_path(prefix_int, name).lstrip("/")).unlink(missing_ok=True)
         for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
-            Path(gettempdir(), _get_path(prefix_int, name)).unlink(missing_ok=True)
+            Path(gettempdir(), shm_path(prefix_int, name)).unlink(missing_ok=True)
         removed.append(prefix_int)
     return removed
 

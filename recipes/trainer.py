@@ -16,6 +16,7 @@ from composer.utils import dist, reproducibility
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from compat.composer import mlflow_run_id
 from data.buckets import size_multiple
 from data.loader import build_image_caption_dataloader
 from models import PRESETS, StableDiffusion, build
@@ -215,7 +216,7 @@ def _mark_mlflow_runs_failed(trainer: Trainer) -> None:
     """Composer 0.32's MLFlowLogger marks a run that raised FAILED, then calls mlflow.end_run(), which
     (mlflow 3) sets it FINISHED again: set it back."""
     for destination in trainer.logger.destinations:
-        if isinstance(destination, MLFlowLogger) and destination._enabled and destination._run_id:
+        if isinstance(destination, MLFlowLogger) and (run_id := mlflow_run_id(destination)):
             from mlflow import MlflowClient
 
-            MlflowClient(destination.tracking_uri).set_terminated(destination._run_id, status="FAILED")
+            MlflowClient(destination.tracking_uri).set_terminated(run_id, status="FAILED")

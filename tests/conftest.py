@@ -27,6 +27,8 @@ def tiny_run(shapes_mds: Path, batches: int) -> list[str]:
 
 
 sys.path.insert(0, str(REPO))
+# The fast and full test tiers: marks, and the guard that keeps unmarked tests unit tests.
+pytest_plugins = ["tests.tiers"]
 # Tests never reach a hub or a logging service.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -72,22 +74,10 @@ def streaming_closes_its_probes():
     k datasets holds about 3 k^2 descriptors (measured: 40 datasets, 9,847). A training run builds
     one or two; a test worker builds a hundred and ran out ("Too many open files" in CI). Here the
     probes are opened without the atexit hook, so each closes as soon as the probe is done."""
-    import functools
+    from compat.streaming import prefix_probes_close_after_use
 
-    from streaming.base.shared import prefix
-
-    check, shared_memory = prefix._check_and_find, prefix.SharedMemory
-
-    def check_closing_probes(*args, **kwargs):
-        prefix.SharedMemory = functools.partial(shared_memory, auto_cleanup=False)
-        try:
-            return check(*args, **kwargs)
-        finally:
-            prefix.SharedMemory = shared_memory
-
-    prefix._check_and_find = check_closing_probes
-    yield
-    prefix._check_and_find = check
+    with prefix_probes_close_after_use():
+        yield
 
 
 def shared_folder(tmp_path_factory, name: str, build) -> Path:

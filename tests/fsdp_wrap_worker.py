@@ -10,16 +10,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from compat.torch import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper  # noqa: E402
 from models import build_model  # noqa: E402
 
 

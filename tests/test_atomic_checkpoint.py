@@ -5,8 +5,8 @@ import signal
 
 import pytest
 import torch
-from composer.utils import checkpoint
 
+from compat.composer import checkpoint_file_writer, set_checkpoint_file_writer
 from recipes.checkpointing import install_atomic_checkpoint_writes
 from tests.conftest import REPO
 from tests.resume_check import BATCHES, assert_same_run, kill_point, run, train_command, train_env
@@ -18,10 +18,11 @@ class ExplodesWhenPickled:
 
 
 @pytest.fixture
-def atomic_writes(monkeypatch):
-    monkeypatch.setattr(checkpoint, "_write_checkpoint_file", checkpoint._write_checkpoint_file)  # undo after
+def atomic_writes():
+    original = checkpoint_file_writer()
     install_atomic_checkpoint_writes()
-    return checkpoint._write_checkpoint_file
+    yield checkpoint_file_writer()
+    set_checkpoint_file_writer(original)  # undo after
 
 
 def test_failed_write_keeps_the_previous_file_and_leaves_no_partial_one(atomic_writes, tmp_path):
@@ -42,7 +43,7 @@ def test_failed_write_keeps_the_previous_file_and_leaves_no_partial_one(atomic_w
 
 def test_install_is_idempotent(atomic_writes):
     install_atomic_checkpoint_writes()
-    assert checkpoint._write_checkpoint_file is atomic_writes
+    assert checkpoint_file_writer() is atomic_writes
 
 
 @pytest.mark.slow

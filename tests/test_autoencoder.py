@@ -10,6 +10,7 @@ from tests.conftest import REPO
 VAE_YAML = REPO / "yamls/tiny-vae.yaml"
 
 
+@pytest.mark.fit
 def test_vae_recipe_trains_and_its_export_is_the_diffusion_models_vae(shapes_mds, tmp_path):
     export = tmp_path / "export"
     overrides = [
@@ -58,6 +59,8 @@ def test_missing_vae_folder_is_named(tmp_path):
         build_model("tiny", pretrained=str(tmp_path / "no-such-vae"), pretrained_components=["vae"])
 
 
+@pytest.mark.fit
+@pytest.mark.subprocess
 def test_tiny_recipe_makes_its_missing_vae_first(shapes_mds, tmp_path):
     """yamls/tiny-cpu.yaml on a fresh checkout: `prepare_pretrained` runs the VAE recipe once."""
     for name in ("_base.yaml", "tiny-vae.yaml"):

@@ -58,6 +58,7 @@ def test_other_options_are_refused_unless_overwrite(tmp_path, capsys):
     assert {(r[3], r[4]) for r in rows_of(out)} == {(24, 16)}
 
 
+@pytest.mark.subprocess
 def test_two_workers_write_what_one_does(tmp_path):
     src = tmp_path / "shards"
     make_i2d_tars(src, shards=5, per_shard=4)

@@ -11,6 +11,7 @@ from tests.conftest import REPO
 from tests.convert_fixtures import close, encode, jpeg, photo, pixels, read_mds, repairable_images, run_cli
 
 
+@pytest.mark.subprocess
 def test_folder(tmp_path):
     src, out = tmp_path / "images", tmp_path / "out"
     (src / "sub").mkdir(parents=True)
@@ -125,6 +126,7 @@ def test_fatal_errors_name_what_and_where(tmp_path, capsys):
     assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3", "o4"))  # nothing half-written
 
 
+@pytest.mark.subprocess
 def test_every_option_is_explained():
     parser = build_parser()
     subparsers = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict)).choices

@@ -191,6 +191,7 @@ def test_bad_options_are_named():
         EMA(smoothing=0.9, storage="int8")
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("processes", [2, 1])
 def test_under_fsdp_checkpoints_hold_the_whole_average_and_load_into_shards(tmp_path, processes):
     """Processes shard a small model with torch FSDP (gloo, CPU); the EMA's checkpoint is the

@@ -1,5 +1,6 @@
 """The EMA algorithm inside real Composer runs of the tiny recipe."""
 
+import pytest
 import torch
 from composer.core import Callback
 
@@ -47,6 +48,7 @@ def _unet_of(state):
     return {k: v.detach().clone() for k, v in model.unet.named_parameters()}
 
 
+@pytest.mark.fit
 def test_eval_sees_ema_weights_and_training_keeps_raw(shapes_mds, tmp_path):
     record = _Record()
     cfg = load_config(
@@ -73,6 +75,7 @@ def test_eval_sees_ema_weights_and_training_keeps_raw(shapes_mds, tmp_path):
     assert all(k.startswith("unet.") for k in ema.averaged_state())
 
 
+@pytest.mark.fit
 def test_checkpoint_restores_ema_exactly(shapes_mds, tmp_path):
     first = build_trainer(
         load_config(

@@ -45,6 +45,7 @@ def test_fid_and_kid_rank_sets(shapes_mds):
     assert kid(first, noise, seed=1) == kid(first, noise, seed=1)
 
 
+@pytest.mark.heavy  # builds the CLIP scorer three times
 def test_clip_score_is_deterministic(shapes_mds):
     images, captions = shapes(shapes_mds, 8), ["a red circle"] * 4 + ["a blue square"] * 4
     scores = extractors.clip("tiny").scores(images, captions)

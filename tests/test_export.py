@@ -120,6 +120,7 @@ def test_sd2_base_is_inferred_from_its_shapes():
     assert export.infer_preset(weights) == "sd2-base"
 
 
+@pytest.mark.fit
 def test_a_composer_ema_checkpoint_exports_its_average(shapes_mds, tmp_path):
     """composer.algorithms.EMA swaps its average into the model for every save and keeps the raw
     weights in its own state: export must take the average by default and the raw ones with --raw."""

@@ -1,6 +1,7 @@
 """yamls/sd2-finetune.yaml from a diffusers pipeline folder: every component is the folder's, only
 the UNet trains, and the export loads in diffusers."""
 
+import pytest
 import torch
 from diffusers import StableDiffusionPipeline
 
@@ -12,6 +13,7 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.fit
 def test_finetune_starts_from_the_folder_and_trains_only_the_unet(tiny_pipeline, shapes_mds, tmp_path):
     folder, original = tiny_pipeline
     overrides = [

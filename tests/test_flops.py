@@ -3,13 +3,14 @@ published SD2 base numbers."""
 
 import pytest
 import torch
-from diffusers.models.attention_processor import Attention
 from torch import nn
 
+from compat.diffusers import Attention
 from models import flops
 from models.presets import build_components
 
 
+@pytest.mark.heavy  # counts the FLOPs of the full-size SD2 UNet
 @pytest.mark.parametrize("resolution, reference", [(256, 0.539e12), (512, 2.409e12)])
 def test_sd2_base_unet_training_flops(resolution, reference):
     # The design docs' figures (torch FlopCounterMode on the diffusers SD2 base UNet, 77 x 1024 context).
@@ -70,7 +71,12 @@ def _closed_form_training_flops(preset: str, side: int, context_length: int = 77
 
 # (preset, pixels, latent side): the tiny VAE downsamples 4x, SD2's 8x.
 @pytest.mark.parametrize(
-    "preset, resolution, side", [("tiny", 32, 8), ("sd2-base", 256, 32), ("sd2-base", 512, 64)]
+    "preset, resolution, side",
+    [
+        ("tiny", 32, 8),
+        pytest.param("sd2-base", 256, 32, marks=pytest.mark.heavy),  # the full-size UNet
+        pytest.param("sd2-base", 512, 64, marks=pytest.mark.heavy),
+    ],
 )
 def test_training_flops_match_a_closed_form_count(preset, resolution, side):
     expected, no_input_grad = _closed_form_training_flops(preset, side)

@@ -1,6 +1,7 @@
 """`convert latents` output, read back and trained on."""
 
 import numpy as np
+import pytest
 import torch
 
 from convert.latents import _pixels, columns, iter_samples
@@ -13,6 +14,7 @@ from recipes import build_trainer, load_config
 from tests.conftest import REPO, TINY_TEST
 
 
+@pytest.mark.fit
 def test_latents_round_trip_and_training(shapes_mds, tmp_path):
     model = build_model("tiny")
     out = tmp_path / "latents"

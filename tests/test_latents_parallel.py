@@ -89,6 +89,7 @@ def check_mirrors_source(out: Path, src: Path) -> None:
     assert (report["complete"], report["inputs_done"], report["samples_written"]) == (True, INPUTS, IMAGES)
 
 
+@pytest.mark.subprocess
 def test_two_workers_write_what_one_process_does(sources, plain_latents, tmp_path):
     assert run_cli(*argv(sources / "plain", tmp_path / "two", "--workers", 2)) == 0
     one = rows_of(plain_latents)
@@ -162,6 +163,7 @@ def test_sigkill_midway_then_rerun_equals_a_clean_run(sources, tmp_path):
     assert len(rows) == IMAGES and rows == rows_of(clean)
 
 
+@pytest.mark.subprocess
 def test_buckets_are_kept_each_at_its_own_size(sources, bucketed_latents):
     src, out = sources / "bucketed", bucketed_latents
     folders = sorted(p.relative_to(src) for p in src.glob("ar*/part-*"))

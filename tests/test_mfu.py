@@ -23,6 +23,7 @@ class _BatchClock(Callback):
         self.rows.append((state.batch["image"].shape[0], state.timestamp.total_wct.total_seconds()))
 
 
+@pytest.mark.fit
 def test_speed_monitor_logs_mfu_from_unet_flops_and_the_yaml_peak(shapes_mds, tmp_path):
     overrides = [
         *tiny_run(shapes_mds, BATCHES),

@@ -42,6 +42,7 @@ def no_config_secrets(monkeypatch):
     monkeypatch.setattr(sys, "argv", list(sys.argv))
 
 
+@pytest.mark.fit
 def test_mlflow_store_holds_masked_params_metrics_mfu_and_an_image(
     shapes_mds, tmp_path, monkeypatch, no_config_secrets
 ):
@@ -109,6 +110,7 @@ def test_mlflow_store_holds_masked_params_metrics_mfu_and_an_image(
     assert not leaks
 
 
+@pytest.mark.fit
 def test_a_run_that_fails_is_flushed_and_marked_failed(shapes_mds, tmp_path, monkeypatch, no_config_secrets):
     from mlflow.tracking import MlflowClient
 

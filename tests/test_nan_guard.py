@@ -37,6 +37,7 @@ def _finite(state_dict: dict) -> bool:
     )
 
 
+@pytest.mark.fit
 def test_nan_stops_naming_the_batch_and_rerun_resumes_from_last_good(shapes_mds, tmp_path):
     bad = random.Random().randint(2, BATCHES - 1)  # chosen afresh each run
     trainer = _trainer(
@@ -160,6 +161,8 @@ def test_save_last_good_false_saves_nothing(monkeypatch, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.fit
+@pytest.mark.subprocess
 def test_a_nan_on_one_rank_stops_every_rank_together(shapes_mds, tmp_path):
     """Under `composer -n 2` only rank 1's batch is poisoned: both ranks stop at that batch (the
     guard's one all-reduce per batch), the last good state is saved, and nothing hangs."""

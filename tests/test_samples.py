@@ -63,6 +63,7 @@ def _train(shapes_mds, out, samples: bool, *extra):
     return build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", overrides))
 
 
+@pytest.mark.fit
 def test_grids_at_the_interval_and_the_end_without_changing_training(shapes_mds, tmp_path):
     sink, spy = ImageSink(), WeightsAtSampling(4)  # warmup: batches 1-2 train at lr 0
     with_grids = _train(shapes_mds, tmp_path / "with", True)

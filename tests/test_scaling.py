@@ -98,14 +98,46 @@ def test_batch_and_world_size_must_be_positive(global_batch, world):
 
 # --- launch/: the scripts that turn nodes x GPUs into the composer launcher's world size ---
 
-LAUNCH_SCRIPTS = sorted((REPO / "launch").glob("*.sh")) + sorted((REPO / "launch").glob("*.sbatch"))
 
-
-def test_launch_scripts_parse():
-    assert {p.name for p in LAUNCH_SCRIPTS} >= {"multinode.sh", "slurm.sbatch"}
-    for script in LAUNCH_SCRIPTS:  # `bash -n a b` would check only `a`
-        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
-        assert result.returncode == 0, f"{script.name}: {result.stderr}"
+@pytest.mark.subprocess  # bash, with stand-ins for composer and Slurm
+def test_multinode_script_starts_composer_with_the_world_it_computes(tmp_path):
+    """launch/multinode.sh on node 2 of 4: one composer launcher for this node's 8 GPUs in a world
+    of 32, started from the repo root, the recipe's arguments passed through word for word."""
+    _stub(tmp_path, "composer", 'echo "cwd $PWD"; for arg in "$@"; do echo "arg $arg"; done\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "GPUS_"))}
+    env |= {"COMPOSER": str(tmp_path / "composer"), "NNODES": "4", "NODE_RANK": "2", "MASTER_ADDR": "node0"}
+    result = subprocess.run(
+        ["bash", str(REPO / "launch/multinode.sh"), "yamls/tiny-cpu.yaml", "run_name=two words"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"cwd {REPO}"  # train.py and the yamls' relative paths resolve from there
+    assert [line.removeprefix("arg ") for line in lines[1:]] == [
+        *("--nproc", "8", "--world_size", "32", "--node_rank", "2"),
+        *("--master_addr", "node0", "--master_port", "29500"),
+        *("train.py", "yamls/tiny-cpu.yaml", "run_name=two words"),
+    ]
+    # Under Slurm (no NNODES / NODE_RANK / GPUS_PER_NODE) the same numbers come from SLURM_*.
+    slurm = {k: v for k, v in env.items() if k not in ("NNODES", "NODE_RANK")}
+    slurm |= {"SLURM_NNODES": "3", "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "4", "MASTER_PORT": "23456"}
+    result = subprocess.run(
+        ["bash", str(REPO / "launch/multinode.sh"), "yamls/tiny-cpu.yaml"],
+        env=slurm,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    args = [line.removeprefix("arg ") for line in result.stdout.splitlines()[1:]]
+    assert args[:10] == [
+        *("--nproc", "4", "--world_size", "12", "--node_rank", "1"),
+        *("--master_addr", "node0", "--master_port", "23456"),
+    ]
 
 
 def _stub(folder, name, body):
@@ -114,6 +146,7 @@ def _stub(folder, name, body):
     path.chmod(0o755)
 
 
+@pytest.mark.subprocess  # bash, with stand-ins for composer and Slurm
 def test_slurm_job_starts_one_composer_launcher_per_node_with_its_rank(tmp_path):
     # Stand-ins for Slurm and composer: srun runs its command once per node with SLURM_NODEID set,
     # as it does with --ntasks-per-node=1; composer prints the arguments it was given.
@@ -156,6 +189,7 @@ def test_slurm_job_starts_one_composer_launcher_per_node_with_its_rank(tmp_path)
     assert "srun --cpus-per-task=64" in result.stdout
 
 
+@pytest.mark.subprocess  # bash, with stand-ins for composer and Slurm
 def test_multinode_script_needs_a_master_address(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MASTER_ADDR"}
     result = subprocess.run(

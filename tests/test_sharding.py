@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
+from compat.torch import apply_activation_checkpointing
 from models import build_model, sharding
 from models.presets import build_components
 

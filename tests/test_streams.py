@@ -198,6 +198,7 @@ def test_buckets_train_at_their_own_sizes_in_proportion_and_resume_exactly(
     assert read_key_log(resumed / "keys.jsonl") == keys  # the resumed run continues the same order
 
 
+@pytest.mark.fit
 def test_two_streams_are_drawn_in_their_proportions(shapes_mds, bucketed_mds, tmp_path):
     # The shapes set (64 samples, square) at 25% and the bucketed one read without buckets (48,
     # square crops) at 75%: an epoch of the two sets' total (112) has 28 and 84 samples.

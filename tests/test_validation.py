@@ -5,6 +5,7 @@ import gc
 import random
 
 import numpy as np
+import pytest
 import torch
 from composer.core import Callback
 
@@ -90,6 +91,7 @@ def _run(shapes_mds, tmp_path, *extra, callbacks=()):
     return trainer, unet, read_loss_log(tmp_path / "loss.jsonl"), evals.values
 
 
+@pytest.mark.fit
 def test_periodic_evaluation_leaves_training_bitwise_unchanged(shapes_mds, tmp_path):
     trainer, unet, losses, _ = _run(shapes_mds, tmp_path / "plain")
     trainer.close()

@@ -1,0 +1,64 @@
+"""Composer internals we rely on, written for mosaicml (composer) 0.32.1.
+
+- `checkpoint._write_checkpoint_file(state_dict, filename)`: the one function that writes a local
+  checkpoint file. recipes/checkpointing.py wraps it to write to a temporary name and rename it into
+  place; Composer has no hook for how a file is written.
+- `Trainer._rng_state`: the RNG state the Trainer loaded from a checkpoint and applies at the start
+  of `fit()`. recipes/callbacks.py takes it over to apply it after the first batch is fetched, where
+  an uninterrupted run had it (Composer would apply it before the dataloader draws its seed).
+- `MLFlowLogger._enabled` / `._run_id`: whether this rank logs to MLflow and its run's id, to set a
+  failed run back to FAILED after Composer's `mlflow.end_run()` marked it FINISHED (mlflow 3).
+- `Device._device`: the torch.device of Composer's device object (no public accessor in 0.32).
+- Modules below the public API: `composer.algorithms.ema.ema` (EMAParameters, compute_ema: bench/ema.py
+  compares against Composer's EMA update), `composer.callbacks.speed_monitor.GPU_AVAILABLE_FLOPS`
+  (bench/gpu_check.py's peak FLOPS table) and the modules `LPGroupNorm` / `LPLayerNorm` below
+  `composer.algorithms.low_precision_{groupnorm,layernorm}` (tests check they are swapped in).
+  These are imported on first use: `composer.algorithms` is not otherwise loaded by a run.
+"""
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from composer.utils import checkpoint
+
+_LAZY = {
+    "EMAParameters": "composer.algorithms.ema.ema",
+    "compute_ema": "composer.algorithms.ema.ema",
+    "GPU_AVAILABLE_FLOPS": "composer.callbacks.speed_monitor",
+    "LPGroupNorm": "composer.algorithms.low_precision_groupnorm.low_precision_groupnorm",
+    "LPLayerNorm": "composer.algorithms.low_precision_layernorm.low_precision_layernorm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def checkpoint_file_writer() -> Callable[[dict[str, Any], str], None]:
+    """The function Composer writes each local checkpoint file with: `(state_dict, filename)`."""
+    return checkpoint._write_checkpoint_file
+
+
+def set_checkpoint_file_writer(writer: Callable[[dict[str, Any], str], None]) -> None:
+    """Make Composer write local checkpoint files with `writer(state_dict, filename)`."""
+    checkpoint._write_checkpoint_file = writer
+
+
+def take_loaded_rng_state(trainer) -> list[dict[str, Any]] | None:
+    """The RNG state `trainer` loaded from a checkpoint and would apply at `fit()`'s start (None if
+    none); Composer will no longer apply it."""
+    state, trainer._rng_state = trainer._rng_state, None
+    return state
+
+
+def mlflow_run_id(logger) -> str | None:
+    """The run id of an MLFlowLogger that logs from this rank and has started its run, else None."""
+    return logger._run_id if logger._enabled and logger._run_id else None
+
+
+def torch_device(device):
+    """The torch.device of a Composer Device (`composer.utils.get_device(...)`)."""
+    return device._device

@@ -1,0 +1,62 @@
+"""torch internals we rely on, written for torch 2.7.0.
+
+- FSDP (FullyShardedDataParallel, the wrapper Composer 0.32 applies): a module's `_handle` (its
+  FlatParamHandle, with `uses_sharded_strategy` and `needs_unshard()`) and
+  `torch.distributed.fsdp._runtime_utils._reshard(state, handle, free_unsharded_flat_param)`. After a
+  forward that expects a backward (SHARD_GRAD_OP, the root; also a no-grad evaluation) FSDP keeps
+  the gathered weights and the next forward reuses them; recipes/ema.py writes the average into the
+  shards and must make FSDP gather again (`free_gathered_weights`). FSDP's `_use_orig_params`:
+  whether `parameters()` are the original parameters (views into the flat one), which the EMA needs
+  (`uses_orig_params`).
+- Modules below the public API, imported on first use (bench and tests only):
+  `torch.utils._python_dispatch.TorchDispatchMode` (bench/ema.py counts the memory each op
+  allocates); `torch.distributed.algorithms._checkpoint.checkpoint_wrapper` (CheckpointImpl,
+  apply_activation_checkpointing, checkpoint_wrapper: what Composer applies for activation
+  checkpointing, rebuilt by tests); `torch._dynamo.utils.counters` (tests check a compiled graph ran).
+- `nn.Module._compiled_call_impl`: set by `Module.compile()` (in place); tests check it
+  (`is_compiled`).
+
+`torch._foreach_*` (recipes/ema.py) is left out: documented and stable in practice.
+"""
+
+import importlib
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp._runtime_utils import _reshard
+
+_CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+_LAZY = {
+    "TorchDispatchMode": "torch.utils._python_dispatch",
+    "CheckpointImpl": _CHECKPOINT_WRAPPER,
+    "apply_activation_checkpointing": _CHECKPOINT_WRAPPER,
+    "checkpoint_wrapper": _CHECKPOINT_WRAPPER,
+    "counters": "torch._dynamo.utils",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def free_gathered_weights(root: torch.nn.Module) -> None:
+    """Free the gathered (unsharded) weights that every sharded FSDP module under `root` still
+    holds, so that its next forward gathers the shards again. Unsharded handles (NO_SHARD, FSDP's
+    choice on one process) are left alone: their parameters are the flat parameter itself."""
+    for module in FSDP.fsdp_modules(root):
+        handle = module._handle
+        if handle is not None and handle.uses_sharded_strategy and not handle.needs_unshard():
+            _reshard(module, handle, True)
+
+
+def uses_orig_params(module: FSDP) -> bool:
+    """Whether an FSDP module was built with use_orig_params=True."""
+    return module._use_orig_params
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether `module.compile()` has been called on `module` (nn.Module.compile works in place)."""
+    return module._compiled_call_impl is not None
