@@ -67,6 +67,40 @@ def test_two_workers_write_what_one_does(tmp_path):
     assert rows_of(tmp_path / "one") == rows_of(tmp_path / "two")
 
 
+@pytest.mark.subprocess
+def test_workers_end_when_the_parent_has_a_sigterm_handler(tmp_path):
+    """The pool ends its workers with SIGTERM. A parent whose SIGTERM handler does not exit (importing
+    Composer installs one that raises SystemExit, which in a forked worker ran the parent's copied
+    finalizers and could hang) passed it on to the workers, and the conversion never returned."""
+    src = tmp_path / "shards"
+    make_i2d_tars(src, shards=4, per_shard=2)
+    argv = [
+        "img2dataset",
+        "--src",
+        str(src),
+        "--out",
+        str(tmp_path / "out"),
+        "--workers",
+        "2",
+        "--no-progress",
+    ]
+    script = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGTERM, lambda *args: None)  # a handler that does not end the process\n"
+        "from convert.__main__ import main\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the conversion did not return: its workers outlived Pool.terminate()")
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert len(rows_of(tmp_path / "out")) == 8
+
+
 def slow_shards(src: Path, shards: int, per_shard: int) -> None:
     """Shards of 400x300 photos (a few distinct ones reused), slow enough to kill a resize run midway."""
     src.mkdir(parents=True)
