@@ -26,7 +26,6 @@ The last line is `host overhead: ours / plain = X (target <= 1.10)`; exits 1 whe
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from composer import Callback, Trainer  # noqa: E402
+from composer import Trainer  # noqa: E402
+
+from bench.trainer import StepTimes, median_step  # noqa: E402
 
 TARGET = 1.10
 VARIANTS = ("plain", "ours")
@@ -90,10 +91,6 @@ def batches(batch: int, count: int) -> list[dict]:
     ]
 
 
-def _median_step(times: list[float], warmup: int) -> float:
-    return statistics.median(b - a for a, b in zip(times[warmup:], times[warmup + 1 :]))
-
-
 def time_plain(batch: int, steps: int, warmup: int) -> float:
     from hydra.utils import instantiate
 
@@ -118,15 +115,7 @@ def time_plain(batch: int, steps: int, warmup: int) -> float:
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter())
-    return _median_step(times, warmup)
-
-
-class _StepTimes(Callback):
-    def __init__(self):
-        self.times = []
-
-    def batch_end(self, state, logger):
-        self.times.append(time.perf_counter())
+    return median_step(times, warmup)
 
 
 def time_ours(batch: int, steps: int, warmup: int) -> float:
@@ -141,12 +130,12 @@ def time_ours(batch: int, steps: int, warmup: int) -> float:
         kwargs = trainer_module.trainer_kwargs(run, world_size=1)
     finally:
         trainer_module.build_image_caption_dataloader = loader
-    timer = _StepTimes()
+    timer = StepTimes()
     kwargs["callbacks"].append(timer)
     trainer = Trainer(**kwargs, train_subset_num_batches=steps)
     trainer.fit()
     trainer.close()
-    return _median_step(timer.times, warmup)
+    return median_step(timer.times, warmup)
 
 
 def main(argv=None) -> int:

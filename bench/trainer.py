@@ -55,7 +55,9 @@ def _setup(batch: int, steps: int):
     return run, model, optimizer, batches
 
 
-class _StepTimes(Callback):
+class StepTimes(Callback):
+    """Records the time at the end of every batch (bench/host_overhead.py uses it too)."""
+
     def __init__(self):
         self.times = []
 
@@ -63,7 +65,7 @@ class _StepTimes(Callback):
         self.times.append(time.perf_counter())
 
 
-def _median_step(times: list[float], warmup: int) -> float:
+def median_step(times: list[float], warmup: int) -> float:
     return statistics.median(b - a for a, b in zip(times[warmup:], times[warmup + 1 :]))
 
 
@@ -77,14 +79,14 @@ def time_plain(batch: int, steps: int, warmup: int) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter())
-    return _median_step(times, warmup)
+    return median_step(times, warmup)
 
 
 def time_composer(batch: int, steps: int, warmup: int, recipe: bool) -> float:
     from models.record import ModelRecord, describe
 
     run, model, optimizer, batches = _setup(batch, steps)
-    timer = _StepTimes()
+    timer = StepTimes()
     callbacks, algorithms = [timer], []
     if recipe:
         callbacks += [instantiate(spec) for name, spec in run.callbacks.items() if name != "samples"]
@@ -109,7 +111,7 @@ def time_composer(batch: int, steps: int, warmup: int, recipe: bool) -> float:
     )
     trainer.fit()
     trainer.close()
-    return _median_step(timer.times, warmup)
+    return median_step(timer.times, warmup)
 
 
 def main(argv=None) -> int:
