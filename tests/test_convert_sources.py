@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from convert.__main__ import build_parser, parse_args
+from convert.cli import build_parser, parse_args
 from tests.conftest import REPO
 from tests.convert_fixtures import close, encode, jpeg, photo, pixels, read_mds, repairable_images, run_cli
 
