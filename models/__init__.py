@@ -3,6 +3,7 @@
 from models.autoencoder import Autoencoder, build_autoencoder
 from models.build import build_model
 from models.presets import PRESETS
+from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import StableDiffusion
 
 # `model.preset` in a run config -> the builder its other keys go to. `<preset>-vae` trains only
@@ -20,4 +21,4 @@ def build(preset: str, **options):
     return MODELS[preset](preset, **options)
 
 
-__all__ = ["MODELS", "PRESETS", "Autoencoder", "StableDiffusion", "build", "build_autoencoder", "build_model"]
+__all__ = ["MODELS", "PRESETS", "Autoencoder", "StableDiffusion", "StableDiffusionXL", "build", "build_autoencoder", "build_model"]

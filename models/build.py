@@ -7,13 +7,14 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-from transformers import CLIPTextModel, CLIPTokenizer
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from compat.diffusers import AttnProcessor
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
-from models.presets import PRESETS, build_components
+from models.presets import PRESETS, build_components, family
 from models.sharding import GRANULARITIES
 from models.sharding import configure as configure_sharding
+from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import StableDiffusion
 from models.tokenizer import build_tokenizer
 
@@ -26,7 +27,11 @@ COMPONENTS = {
     "text_encoder": ("text_encoder", CLIPTextModel),
     "tokenizer": ("tokenizer", CLIPTokenizer),
     "scheduler": ("scheduler", DDPMScheduler),
+    # SDXL's second text encoder and its tokenizer: named with their first ones (see _sdxl_pairs).
+    "text_encoder_2": ("text_encoder_2", CLIPTextModelWithProjection),
+    "tokenizer_2": ("tokenizer_2", CLIPTokenizer),
 }
+MODEL_CLASSES = {"sd": StableDiffusion, "sdxl": StableDiffusionXL}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -49,22 +54,40 @@ def _load_component(name: str, pretrained: str):
     return cls.from_pretrained(source, subfolder=subfolder)
 
 
+def _sdxl_pairs(preset: str, components) -> list[str]:
+    """`components` with text_encoder_2 / tokenizer_2 added for an SDXL preset wherever text_encoder /
+    tokenizer is named: a diffusers SDXL folder holds both, and one without the other mixes models."""
+    names = list(components)
+    if family(preset) == "sdxl":
+        for first in ("text_encoder", "tokenizer"):
+            if first in names and f"{first}_2" not in names:
+                names.append(f"{first}_2")
+    return names
+
+
+def _tokenizers(preset: str) -> dict:
+    """The bundled BPE tokenizer(s) of a preset, each with its padding (models/tokenizer.py)."""
+    spec = PRESETS[preset]
+    tokenizers = {"tokenizer": build_tokenizer(pad_token=spec.get("pad_token", "!"))}
+    if family(preset) == "sdxl":
+        tokenizers["tokenizer_2"] = build_tokenizer(pad_token=spec["pad_token_2"])
+    return tokenizers
+
+
 def build_encoders(preset: str, pretrained: str | None = None) -> dict:
-    """{vae, text_encoder, tokenizer} of `preset`: loaded from `pretrained` (a diffusers folder or hub
-    id), else with the preset's random weights. No UNet: what encoding a data set needs
-    (`sd-convert latents`), without the seconds and 3.5 GB a random sd2 UNet costs."""
+    """{vae, text_encoder, tokenizer} of `preset` (and text_encoder_2, tokenizer_2 for SDXL): loaded
+    from `pretrained` (a diffusers folder or hub id), else with the preset's random weights. No UNet:
+    what encoding a data set needs (`sd-convert latents`), without the seconds and 3.5 GB a random
+    sd2 UNet costs."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
-    names = ("vae", "text_encoder", "tokenizer")
+    names = _sdxl_pairs(preset, ("vae", "text_encoder", "tokenizer"))
     if pretrained is not None:
         _check_source(pretrained)
         return {name: _load_component(name, pretrained) for name in names}
     parts = build_components(preset, skip=("unet", "noise_scheduler"))
-    return {
-        "vae": parts["vae"],
-        "text_encoder": parts["text_encoder"],
-        "tokenizer": build_tokenizer(pad_token=PRESETS[preset].get("pad_token", "!")),
-    }
+    parts.pop("latent_scale")
+    return {**parts, **_tokenizers(preset)}
 
 
 def build_model(
@@ -109,6 +132,8 @@ def build_model(
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     unknown = set(pretrained_components) - set(COMPONENTS)
+    if family(preset) != "sdxl":
+        unknown |= set(pretrained_components) & {"text_encoder_2", "tokenizer_2"}
     if unknown:
         raise ValueError(
             f"pretrained_components: unknown {sorted(unknown)}; choose from {sorted(COMPONENTS)}"
@@ -119,6 +144,7 @@ def build_model(
         if value is not None and value not in GRANULARITIES:
             raise ValueError(f"{key}={value!r}; choose one of {GRANULARITIES}")
 
+    pretrained_components = _sdxl_pairs(preset, pretrained_components)
     if lora is not None:
         lora = check_lora_options(lora, pretrained, pretrained_components)
 
@@ -126,7 +152,7 @@ def build_model(
     loaded = [("noise_scheduler" if name == "scheduler" else name) for name in pretrained_components]
     parts = build_components(preset, skip=loaded if pretrained is not None else ())
     if pretrained is None or "tokenizer" not in pretrained_components:
-        parts["tokenizer"] = build_tokenizer(pad_token=PRESETS[preset].get("pad_token", "!"))
+        parts.update(_tokenizers(preset))
     if pretrained is not None:
         _check_source(pretrained)
         for name in pretrained_components:
@@ -171,7 +197,7 @@ def build_model(
         # weight to `_orig_mod.*` in checkpoints, EMA and export.
         unet.compile(**(compile_unet if isinstance(compile_unet, dict) else {}))
 
-    model = StableDiffusion(
+    model = MODEL_CLASSES[family(preset)](
         prediction_type=prediction_type,
         offset_noise=offset_noise,
         min_snr_gamma=min_snr_gamma,

@@ -71,9 +71,18 @@ def _unet_step_flops(unet, height: int, width: int, context_length: int) -> floa
         latents = torch.randn(_BATCH, unet.config.in_channels, height, width)
         context = torch.randn(_BATCH, context_length, unet.config.cross_attention_dim)
         timesteps = torch.randint(0, 1000, (_BATCH,))
+        extra = {}
+        if unet.config.addition_embed_type == "text_time":  # SDXL: pooled text + 6 micro-conditioning sizes
+            time_ids = 6
+            pooled = unet.config.projection_class_embeddings_input_dim - time_ids * unet.config.addition_time_embed_dim
+            extra["added_cond_kwargs"] = {
+                "text_embeds": torch.randn(_BATCH, pooled),
+                "time_ids": torch.randn(_BATCH, time_ids),
+            }
 
     def step():
-        unet(latents, timesteps, encoder_hidden_states=context).sample.float().pow(2).mean().backward()
+        out = unet(latents, timesteps, encoder_hidden_states=context, **extra).sample
+        out.float().pow(2).mean().backward()
 
     return _count(step) / _BATCH
 

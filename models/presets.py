@@ -7,10 +7,16 @@ encoder, 8 attention heads, 768-wide cross-attention); `tiny` keeps SD2's struct
 the recipe runs on a CPU in seconds. Weights are random: these build architectures, not
 checkpoints. Besides the component configs a preset may set the `prediction_type` its published
 weights use and the tokenizer's `pad_token` (SD2 pads with "!", SD1 with "<|endoftext|>").
+
+`sdxl-base` is stabilityai/stable-diffusion-xl-base-1.0 (family "sdxl": models/sdxl.py): a UNet with
+three levels and 1/2/10-deep transformers that reads two text encoders' penultimate states side by
+side (`text_encoder`: CLIP ViT-L/14; `text_encoder_2`: OpenCLIP ViT-bigG/14 with its projection,
+whose pooled output also conditions the UNet with the micro-conditioning sizes). `sdxl-tiny` keeps
+that structure at toy size.
 """
 
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 # SD2's noise schedule (scheduler/scheduler_config.json of stable-diffusion-2-base).
 SD2_SCHEDULER = dict(
@@ -141,9 +147,78 @@ PRESETS["sd2-768-v"] = dict(
 )
 PRESETS["sd15"]["vae"] = PRESETS["sd2-base"]["vae"]
 
+# stabilityai/stable-diffusion-xl-base-1.0 (unet/, text_encoder/, text_encoder_2/, vae/ config.json).
+PRESETS["sdxl-base"] = dict(
+    family="sdxl",
+    unet=dict(
+        sample_size=128,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=2,
+        block_out_channels=(320, 640, 1280),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(5, 10, 20),  # heads, as in SD2
+        transformer_layers_per_block=(1, 2, 10),
+        cross_attention_dim=2048,  # 768 (text_encoder) + 1280 (text_encoder_2), concatenated
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=256,  # each of the 6 micro-conditioning numbers -> 256 sinusoids
+        projection_class_embeddings_input_dim=2816,  # 6 x 256 + the 1280-wide pooled text embedding
+    ),
+    # SD2's VAE architecture; SDXL's weights have their own scale (and overflow in fp16: upcast).
+    vae=dict(PRESETS["sd2-base"]["vae"], sample_size=1024, force_upcast=True),
+    text_encoder=dict(PRESETS["sd15"]["text_encoder"]),  # CLIP ViT-L/14, all 12 layers
+    # OpenCLIP ViT-bigG/14's text tower, all 32 layers: the UNet reads the penultimate one, and the
+    # pooled vector is the last layer's (after the final norm and projection).
+    text_encoder_2=dict(
+        vocab_size=49408,
+        hidden_size=1280,
+        intermediate_size=5120,
+        num_hidden_layers=32,
+        num_attention_heads=20,
+        max_position_embeddings=77,
+        hidden_act="gelu",
+        projection_dim=1280,
+    ),
+    scheduler=SD2_SCHEDULER,  # SDXL trains on the same scaled-linear 0.00085..0.012 schedule
+    latent_scale=0.13025,  # scaling_factor of SDXL's VAE
+    pad_token="<|endoftext|>",  # tokenizer/ pads like SD1
+    pad_token_2="!",  # tokenizer_2/ pads like SD2 (OpenCLIP)
+)
+PRESETS["sdxl-tiny"] = dict(
+    PRESETS["sdxl-base"],
+    unet=dict(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        transformer_layers_per_block=(1, 2),
+        cross_attention_dim=64,  # 32 + 32
+        use_linear_projection=True,
+        norm_num_groups=8,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=6 * 8 + 32,
+    ),
+    vae=PRESETS["tiny"]["vae"],
+    text_encoder=dict(PRESETS["tiny"]["text_encoder"], hidden_act="quick_gelu"),
+    text_encoder_2=dict(PRESETS["tiny"]["text_encoder"]),
+    latent_scale=0.13025,
+)
+
+
+def family(preset: str) -> str:
+    """"sd" (models/stable_diffusion.py) or "sdxl" (models/sdxl.py): which model class a preset builds."""
+    return PRESETS[preset].get("family", "sd")
+
 
 def build_components(preset: str, skip: tuple[str, ...] | list[str] = ()) -> dict:
-    """UNet, VAE, text encoder and DDPM scheduler of a preset, with random weights; the components
+    """UNet, VAE, text encoder(s) and DDPM scheduler of a preset, with random weights; the components
     named in `skip` (e.g. those about to be loaded from a pretrained folder) are left out."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -154,5 +229,7 @@ def build_components(preset: str, skip: tuple[str, ...] | list[str] = ()) -> dic
         text_encoder=lambda: CLIPTextModel(CLIPTextConfig(**spec["text_encoder"])),
         noise_scheduler=lambda: DDPMScheduler.from_config(spec["scheduler"]),
     )
+    if "text_encoder_2" in spec:
+        builders["text_encoder_2"] = lambda: CLIPTextModelWithProjection(CLIPTextConfig(**spec["text_encoder_2"]))
     parts = {name: build() for name, build in builders.items() if name not in skip}
     return {**parts, "latent_scale": spec["latent_scale"]}

@@ -161,6 +161,12 @@ class StableDiffusion(ComposerModel):
             return torch.zeros(n, dtype=torch.bool, device=device)
         return torch.rand(n, device=device) < self.caption_drop_prob
 
+    def condition(self, batch, drop_captions: bool, image_size: tuple[int, int]) -> dict:
+        """The UNet's keyword arguments besides the noisy latents and timesteps, for a batch of images of
+        `image_size` (height, width) pixels: here the text context; SDXL adds its pooled text vector
+        and micro-conditioning (models/sdxl.py)."""
+        return {"encoder_hidden_states": self._context(batch, drop_captions)}
+
     # -- training --------------------------------------------------------------------------------
     def forward(self, batch):
         return self._diffuse(batch)
@@ -170,9 +176,10 @@ class StableDiffusion(ComposerModel):
         RNG, or with `seeds` (one per sample) from `seeded_draws`, with no caption dropout."""
         moments = batch["latents"] if "latents" in batch else self.vae_moments(batch["image"])
         steps = self.noise_scheduler.config.num_train_timesteps
+        image_size = (moments.shape[-2] * self.vae_scale_factor, moments.shape[-1] * self.vae_scale_factor)
         if seeds is None:
             latents = self.sample_latents(moments)
-            context = self._context(batch)
+            condition = self.condition(batch, True, image_size)
             noise = torch.randn_like(latents)
             if self.offset_noise:
                 noise = noise + self.offset_noise * torch.randn(
@@ -183,7 +190,7 @@ class StableDiffusion(ComposerModel):
             posterior = DiagonalGaussianDistribution(moments.float())
             draws = seeded_draws(seeds, posterior.mean.shape[1:], steps, moments.device)
             latents = (posterior.mean + posterior.std * draws["latent"]) * self.latent_scale
-            context = self._context(batch, drop_captions=False)
+            condition = self.condition(batch, False, image_size)
             noise = draws["noise"]
             if self.offset_noise:
                 noise = noise + self.offset_noise * draws["offset"]
@@ -193,7 +200,7 @@ class StableDiffusion(ComposerModel):
             target = noise
         else:
             target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
-        prediction = self.unet(noisy, timesteps, encoder_hidden_states=context).sample
+        prediction = self.unet(noisy, timesteps, **condition).sample
         return prediction, target, timesteps
 
     def _snr(self, timesteps: torch.Tensor) -> torch.Tensor:
@@ -268,6 +275,14 @@ class StableDiffusion(ComposerModel):
         metric.update(outputs[0].float().flatten(), outputs[1].float().flatten())
 
     # -- sampling --------------------------------------------------------------------------------
+    def prompt_condition(self, prompts: list[str], negative_prompt: str | None, image_size, device) -> dict:
+        """The UNet's conditioning for a guided batch: the negative prompt's (or the empty caption's)
+        for each prompt first, then the prompts' (`generate` runs [latents, latents] through it)."""
+        n = len(prompts)
+        ids = tokenize(self.tokenizer, prompts + [negative_prompt or ""] * n).to(device)
+        context = self.encode_text(ids)
+        return {"encoder_hidden_states": torch.cat([context[n:], context[:n]])}
+
     @torch.no_grad()
     def generate(
         self,
@@ -302,9 +317,7 @@ class StableDiffusion(ComposerModel):
         width = width or self.unet.config.sample_size * factor
 
         n = len(prompts)
-        ids = tokenize(self.tokenizer, list(prompts) + [negative_prompt or ""] * n).to(device)
-        context = self.encode_text(ids)
-        cond, uncond = context[:n], context[n:]
+        condition = self.prompt_condition(list(prompts), negative_prompt, (height, width), device)
         shape = (n, self.unet.config.in_channels, height // factor, width // factor)
         if seeds is None:
             noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
@@ -318,7 +331,7 @@ class StableDiffusion(ComposerModel):
         self.unet.eval()
         for t in scheduler.timesteps:
             model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
-            eps = self.unet(model_in, t, encoder_hidden_states=torch.cat([uncond, cond])).sample
+            eps = self.unet(model_in, t, **condition).sample
             eps_uncond, eps_cond = eps.chunk(2)
             eps = eps_uncond + guidance_scale * (eps_cond - eps_uncond)
             if guidance_rescale > 0:

@@ -34,7 +34,15 @@ REQUIRED = {
     ],
     "sd2-finetune": ["data.train.local=/data/mds", "model.pretrained=/models/sd2", "trainer.save_folder=/ft"],
     "sd2-lora": ["data.train.local=/data/mds", "model.pretrained=/models/sd2", "trainer.save_folder=/lora"],
+    "sdxl-base": [
+        "data.train.remote=s3://bucket/mds",
+        "model.pretrained=/models/sdxl",
+        "trainer.save_folder=/ckpt-xl",
+    ],
+    "sdxl-finetune": ["data.train.local=/data/mds", "model.pretrained=/models/sdxl", "trainer.save_folder=/ft"],
+    "sdxl-lora": ["data.train.local=/data/mds", "model.pretrained=/models/sdxl", "trainer.save_folder=/lora"],
     "tiny-cpu": [],
+    "tiny-sdxl-cpu": [],
     "tiny-vae": [],
 }
 
