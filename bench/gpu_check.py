@@ -37,8 +37,8 @@ ANCHORS = {  # img/s per GPU to reach, and where the number comes from
     512: (124.0, "NVIDIA's MLPerf Training v4.1 SD per H100"),
 }
 MICROBATCH = {256: 32, 512: 16}
-# The UNet sharded per block, ZeRO-2, bf16 weights: what sd2-base ran until 2026-11-25 (its YAML gives
-# the override that switches it on).
+# The UNet sharded per block, ZeRO-2, bf16 weights: sd2-base's FSDP option (its YAML gives the
+# override that switches it on), timed against the DDP baseline.
 FSDP = "+trainer.parallelism_config={fsdp: {sharding_strategy: SHARD_GRAD_OP, mixed_precision: PURE}}"
 VARIANTS = {  # name -> overrides on top of the recipe; the first is the baseline
     "baseline (sdpa, DDP / no wrapper on 1 GPU)": [],
@@ -47,8 +47,8 @@ VARIANTS = {  # name -> overrides on top of the recipe; the first is the baselin
     "compile": ["model.compile_unet=true"],
     "gradient checkpointing, 2x microbatch": ["model.gradient_checkpointing=true", "MICROBATCH_X2"],
     "2x microbatch": ["MICROBATCH_X2"],
-    # The first H100 run (FSDP per block) was launch-bound at 0.58x a plain loop (README "GPU
-    # figures"); these tell what FSDP's hooks and the norms' casts cost on the GPU.
+    # On an H100 the 256 px step is launch-bound (FSDP per block ran at 0.58x a plain loop,
+    # docs/benchmarks.md "GPU figures"); these tell what FSDP's hooks and the norms' casts cost.
     "FSDP per block": [FSDP],
     "FSDP: whole UNet": [FSDP, "model.fsdp_wrap=unet"],
     "FSDP: per layer": [FSDP, "model.fsdp_wrap=layers"],

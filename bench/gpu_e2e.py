@@ -4,8 +4,8 @@ generates on the GPUs at hand (bench/gpu_check.py --parts e2e).
 Run A trains 50 batches and saves at 25 and 50; run B starts from A's batch-25 checkpoint and
 trains to 50. On the CPU the resume is bitwise (tests/test_resume.py). On a GPU the backward pass
 of some kernels (cuDNN convolution weight gradients, attention) adds in an unspecified order, so
-two runs from the same state differ in the last bits of the weights even without a resume; the
-first H100 run (2026-11-24) found A and B's weights unequal and could not say more. What tells a
+two runs from the same state differ in the last bits of the weights even without a resume, so
+unequal weights alone cannot tell a resume bug from kernel noise. What tells a
 resume bug from that noise is the loss: B's batch 26 starts from A's state on the same data and
 noise, so its forward pass sees the same numbers, and a wrong data order, RNG state or optimizer
 state moves every later loss by whole percents while the kernels' noise moves them by ~1e-5.

@@ -16,7 +16,7 @@ ResNet + 2 transformer blocks a level, linear projections, SDPA, the same op cou
              in-memory batches in place of the streaming loader (data loading runs in DataLoader
              workers on a GPU node, not on the training thread)
 Composer's FSDP needs CUDA (composer/distributed/dist_strategy.py asks torch.cuda for the device),
-so the FSDP configuration sd2-base used until 2026-11-25 cannot be timed here through Composer; with
+so sd2-base's FSDP option (the override in its YAML) cannot be timed here through Composer; with
 torch FSDP directly, on this model's block structure, it cost 1.4-1.8x a plain loop's host time
 (../shared/docs/design.md, "The GPU path"). `make gpu-check` times the FSDP and DDP variants on a GPU.
 

@@ -9,8 +9,8 @@ pixel) with distinct LAION-like captions (common words, product codes, some non-
 streaming's MDSWriter (`image` the JPEG bytes, `caption`) into a temporary folder.
 Variants (interleaved so background load hits all alike; best of --repeats):
   decode    Image.open(...).load() over the in-memory JPEG bytes, one thread: the decode-only ceiling
-  plain     a plain one-thread loop over the same in-memory bytes and captions doing what the dataset
-            did before issue 14: decode, convert RGB, torchvision Resize(R), CenterCrop(R), ToTensor,
+  plain     a plain one-thread loop over the same in-memory bytes and captions doing the usual steps
+            with the usual libraries: decode, convert RGB, torchvision Resize(R), CenterCrop(R), ToTensor,
             Normalize, flip every other image, and the slow transformers CLIPTokenizer
             (models.tokenizer.build_tokenizer) called per caption, padded to 77
   ours-Nw   a torch DataLoader with N workers (batch --batch-size) over

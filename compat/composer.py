@@ -49,7 +49,7 @@ def set_checkpoint_file_writer(writer: Callable[[dict[str, Any], str], None]) ->
 
 def take_loaded_rng_state(trainer) -> list[dict[str, Any]] | None:
     """The RNG state `trainer` loaded from a checkpoint and would apply at `fit()`'s start (None if
-    none); Composer will no longer apply it."""
+    none), taken out of `trainer` so that Composer does not apply it."""
     state, trainer._rng_state = trainer._rng_state, None
     return state
 

@@ -1,8 +1,9 @@
 """mosaicml-streaming internals we rely on, written for mosaicml-streaming 0.13.0.
 
 The package `streaming` exports the writers, Stream and StreamingDataset only; everything else
-lives below `streaming.base`, which has no stability promise (0.13 dropped
-`streaming.base.storage.download_file`, and a run from S3 broke on it).
+lives below `streaming.base`, which has no stability promise: a minor release may drop a name
+(0.13 has no `streaming.base.storage.download_file`), so each one used is listed here and checked
+by tests/test_compat.py.
 
 Modules below the public package (re-exported here):
 - `streaming.base.world.World`: which rank is its node's local leader (data/streaming_base.py's

@@ -288,9 +288,9 @@ def _check_max_duration(trainer: dict) -> None:
 def _check_values(run: RunConfig) -> None:
     """Build the optimizer (over a stand-in parameter), the scheduler, every callback and algorithm
     once and drop them, so that a value their constructors refuse (`callbacks.samples.sampler=foo`,
-    `optimizer.lr=-1`) is a config error now rather than a traceback after the model, the data or
-    thousands of batches. Their constructors are cheap and build nothing large. Not the loggers:
-    theirs may start a run (wandb) or open a tracking store (MLflow)."""
+    `optimizer.lr=-1`) is a config error before anything is built, not a traceback after the model,
+    the data or thousands of batches. Their constructors are cheap and build nothing large. Not the
+    loggers: theirs may start a run (wandb) or open a tracking store (MLflow)."""
     import torch
 
     _build_once(run.optimizer, "optimizer", params=[torch.nn.Parameter(torch.zeros(1))])

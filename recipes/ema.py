@@ -51,7 +51,7 @@ def _drop_gathered_weights(root: torch.nn.Module) -> None:
     forward when it expects a backward (SHARD_GRAD_OP, the root; also after a no-grad evaluation),
     and a forward reuses them, so weights written into the shards meanwhile would go unseen.
     Unsharded handles (NO_SHARD: FSDP's choice on one process) have nothing to drop: their
-    parameters are the flat parameter itself (found by `make gpu-check` on one GPU)."""
+    parameters are the flat parameter itself, not a gathered copy."""
     free_gathered_weights(root)
 
 

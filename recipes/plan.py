@@ -217,16 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     """Print the plan; exit with status 1 when a GPU count's batch split fails (status 2: bad
     arguments, as argparse)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parser = build_parser()
-    options, overrides = _split_overrides(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(options)
-    if args.img_per_sec_per_gpu is None and args.throughput_file is None:
-        parser.error(
-            "no throughput: pass --img-per-sec-per-gpu X (e.g. 137.5 for SD2 base at 256 px on A100s) "
-            "or --throughput-file bench/throughput.json written by a throughput benchmark"
-        )
-    if args.img_per_sec_per_gpu is not None and args.img_per_sec_per_gpu <= 0:
-        parser.error(f"--img-per-sec-per-gpu must be positive, got {args.img_per_sec_per_gpu}")
+    args, overrides = _parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.yaml, overrides)
         # Planning needs no bucket or save folder: fill the `???` keys only a real run must set.
@@ -270,10 +261,35 @@ def main(argv: list[str] | None = None) -> None:
         if failed:
             sys.exit(1)
         return
+    _print_assumptions(args, run, throughput, max_duration, microbatch, rows[0]["images"])
+    print()
+    print(format_table(rows))
+    if failed:
+        sys.exit(1)
+
+
+def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The options and the trailing Hydra overrides; argparse's exit (status 2) on a bad or missing
+    throughput."""
+    parser = build_parser()
+    options, overrides = _split_overrides(argv)
+    args = parser.parse_args(options)
+    if args.img_per_sec_per_gpu is None and args.throughput_file is None:
+        parser.error(
+            "no throughput: pass --img-per-sec-per-gpu X (e.g. 137.5 for SD2 base at 256 px on A100s) "
+            "or --throughput-file bench/throughput.json written by a throughput benchmark"
+        )
+    if args.img_per_sec_per_gpu is not None and args.img_per_sec_per_gpu <= 0:
+        parser.error(f"--img-per-sec-per-gpu must be positive, got {args.img_per_sec_per_gpu}")
+    return args, overrides
+
+
+def _print_assumptions(args, run, throughput: Throughput, max_duration, microbatch, images: int) -> None:
+    """The lines above the table: what the plan starts from (run, throughput, price, microbatch cap)."""
     device = f" on {throughput.device}" if throughput.device else ""
     print(
         f"{args.yaml}: global batch {run.global_train_batch_size}, max_duration {max_duration} "
-        f"-> {rows[0]['images']:,} images"
+        f"-> {images:,} images"
     )
     print(
         f"throughput {throughput.img_per_sec_per_gpu:g} img/s per GPU{device} (from {throughput.source}), "
@@ -288,10 +304,6 @@ def main(argv: list[str] | None = None) -> None:
             f"microbatch: at most {microbatch} (trainer.device_train_microbatch_size), the largest divisor "
             "of the per-device batch not above it"
         )
-    print()
-    print(format_table(rows))
-    if failed:
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ unregistering, and streaming 0.13's `clean_stale_shared_memory` walks prefixes f
 the first one without shared memory, so leftovers behind a free prefix stay forever. While the lock
 files survive, later runs merely step over the leftover prefix; once they are gone (a temp-folder
 cleaner, a new container with the host's /dev/shm) streaming refuses the folder with "Reused local
-directory". Both are fixed here: every prefix whose registered folders overlap ours is removed.
+directory". This module handles both: every prefix whose registered folders overlap ours is removed.
 
 Run before this job's datasets exist, on each host's local rank 0, with the other ranks waiting.
 A second live job on the same host using the same data folder would lose its registration; streaming

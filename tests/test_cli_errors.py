@@ -182,7 +182,7 @@ def test_verbose_is_debug_for_this_repo_only(unconfigured_logging, shapes_mds, t
     assert "DEBUG convert.pipeline: " in err and "skipped broken" in err
     debug_loggers = {line.split()[1].rstrip(":") for line in err.splitlines() if line.startswith("DEBUG ")}
     assert {name.split(".")[0] for name in debug_loggers} <= set(OURS), debug_loggers
-    # PIL's PNG plugin logs every chunk it reads at DEBUG: on, they were most of the output.
+    # PIL's PNG plugin logs every chunk it reads at DEBUG: left on, they drown the output.
     assert logging.getLogger().level == logging.INFO
     assert not logging.getLogger("PIL.PngImagePlugin").isEnabledFor(logging.DEBUG)
     assert logging.getLogger("recipes.evaluate").isEnabledFor(logging.DEBUG)

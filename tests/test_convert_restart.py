@@ -224,7 +224,7 @@ def test_kill_while_workers_start_leaves_no_lock_and_no_worker(tmp_path):
         assert {p.name: p.stat().st_mtime_ns for p in (out / "_done").iterdir()} == markers
     finally:
         proc.stderr.close()
-        for worker in workers:  # what the old code left running: this test's workers only, by pid
+        for worker in workers:  # survivors, if the test failed: this test's workers only, by pid
             if alive(worker):
                 os.kill(worker, signal.SIGKILL)
     assert run_cli(*argv, "--out", reference) == 0

@@ -113,7 +113,8 @@ def test_bf16_storage():
 class _SlowCopy:
     """A stand-in for CUDA's copy engine on a CPU: each copy lands in a background thread a few
     milliseconds later, like a non-blocking device-to-host copy the CPU may read too early.
-    `wait=False` hands back an event that does not wait, as the old offload code effectively did."""
+    `wait=False` hands back an event that does not wait: what an offload that reads the copies
+    without synchronising sees."""
 
     def __init__(self, wait: bool = True):
         self.wait = wait

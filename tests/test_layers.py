@@ -156,7 +156,7 @@ def _write(root: Path, files: dict[str, str]) -> None:
 
 
 def test_the_checker_sees_hidden_upward_imports_and_cycles(tmp_path):
-    """The pre-refactor shape of the bug: a function-level import from data up into convert (via a
+    """The hidden shapes of an upward import: a function-level import from data up into convert (via a
     relative import inside convert), which closes a cycle; an import of an entry point; and compat
     importing one of ours."""
     _write(

@@ -107,4 +107,4 @@ def test_an_old_checkpoint_loads_by_inference_with_a_warning(v_ztsnr, tmp_path, 
         model = load_model_from_checkpoint(tmp_path / "old.pt", prediction_type="v_prediction")
     assert "has no model record" in caplog.text
     assert model.preset == "tiny" and model.prediction_type == "v_prediction"
-    assert not model.zero_terminal_snr  # what the record exists for: the old path cannot know
+    assert not model.zero_terminal_snr  # what the record exists for: shapes alone cannot tell
