@@ -2,7 +2,10 @@
 
     python bench/gpu_check.py [--out runs/gpu-check] [--parts throughput e2e ema] [--quick]
                                 [--variants TEXT ...] [--resolutions 256 512]
-                                [--deterministic]
+                                [--deterministic] [--preset sd2-base|sdxl-base]
+
+`--preset sdxl-base` measures yamls/sdxl-base.yaml instead (throughput only, at 512 and 1024 px:
+its FSDP recipe and SDXL_VARIANTS, random SDXL-shaped latents with pooled text and micro-conditioning).
 
 1. throughput: bench/throughput.py (each variant its own `composer -n GPUS` process) on sd2-base,
    bf16, precomputed latents (random, `data.prepare: sd2-latents`): img/s per GPU, MFU (UNet
@@ -61,6 +64,36 @@ VARIANTS = {  # name -> overrides on top of the recipe; the first is the baselin
     "no low-precision norms": ["model.low_precision_norms=null"],
 }
 PLAIN = "plain PyTorch loop, 1 GPU (the ceiling)"
+# SDXL's recipe is FSDP (full shard, per block) with activation checkpointing: what each costs.
+SDXL_VARIANTS = {
+    "baseline (FSDP full shard per block, activation checkpointing)": [],
+    "SHARD_GRAD_OP": ["trainer.parallelism_config.fsdp.sharding_strategy=SHARD_GRAD_OP"],
+    "no activation checkpointing": [
+        "model.activation_checkpointing=null",
+        "trainer.parallelism_config.fsdp.activation_checkpointing=false",
+    ],
+    "2x microbatch": ["MICROBATCH_X2"],
+    "channels_last": ["model.channels_last=true"],
+    "compile": ["model.compile_unet=true"],
+}
+# What `--preset` measures: its recipe, random latents (recipes/prepare.py), microbatch per
+# resolution, variants and anchors (img/s per GPU and where the number comes from; none public for SDXL).
+TARGETS = {
+    "sd2-base": dict(
+        recipe="yamls/sd2-base.yaml",
+        data="sd2-latents",
+        microbatch=MICROBATCH,
+        variants=VARIANTS,
+        anchors=ANCHORS,
+    ),
+    "sdxl-base": dict(
+        recipe="yamls/sdxl-base.yaml",
+        data="sdxl-latents",
+        microbatch={512: 8, 1024: 2},
+        variants=SDXL_VARIANTS,
+        anchors={},
+    ),
+}
 
 
 def gpus() -> int:
@@ -82,25 +115,40 @@ def composer(n: int, args: list[str], log: Path, timeout: int) -> subprocess.Com
         )
 
 
-def variant_overrides(n: int, resolution: int, variant: list[str]) -> tuple[int, list[str]]:
+def variant_overrides(
+    n: int, resolution: int, variant: list[str], preset: str = "sd2-base"
+) -> tuple[int, list[str]]:
     """(microbatch, the overrides bench/throughput.py gets) for a variant on `n` GPUs."""
-    micro = MICROBATCH[resolution] * (2 if "MICROBATCH_X2" in variant else 1)
+    target = TARGETS[preset]
+    micro = target["microbatch"][resolution] * (2 if "MICROBATCH_X2" in variant else 1)
     sizes = [f"global_train_batch_size={micro * n}", f"trainer.device_train_microbatch_size={micro}"]
+    data = [o.replace("sd2-latents", target["data"]) for o in DATA]
+    if preset != "sd2-base":  # one flat set of square latents, not the recipe's buckets
+        data += ["data.train.buckets=false", "data.train.batching_method=random"]
     return micro, [
-        *DATA,
+        *data,
         f"data.train.resolution={resolution}",
         *sizes,
         *(o for o in variant if o != "MICROBATCH_X2"),
     ]
 
 
-def throughput(n: int, out: Path, resolution: int, name: str, overrides: list[str], batches: int) -> dict:
+def throughput(
+    n: int,
+    out: Path,
+    resolution: int,
+    name: str,
+    overrides: list[str],
+    batches: int,
+    preset: str = "sd2-base",
+) -> dict:
     from models.flops import mfu, training_flops_per_image
 
-    micro, overrides = variant_overrides(n, resolution, overrides)
+    micro, overrides = variant_overrides(n, resolution, overrides, preset)
     result_file = out / f"tp-{resolution}-{len(list(out.glob('tp-*.json')))}.json"
-    args = ["bench/throughput.py", "yamls/sd2-base.yaml", *overrides, "--batches", str(batches)]
-    args += ["--warmup", "5", "--data", str(out / "latents"), "--out", str(result_file)]
+    args = ["bench/throughput.py", TARGETS[preset]["recipe"], *overrides, "--batches", str(batches)]
+    data = out / ("latents" if preset == "sd2-base" else f"latents-{preset}")
+    args += ["--warmup", "5", "--data", str(data), "--out", str(result_file)]
     done = composer(n, args, result_file.with_suffix(".log"), timeout=900)
     row = {"variant": name, "resolution": resolution, "microbatch": micro, "ok": done.returncode == 0}
     if row["ok"]:
@@ -108,7 +156,7 @@ def throughput(n: int, out: Path, resolution: int, name: str, overrides: list[st
         row.update(
             img_s=result["img_per_sec_per_gpu"], memory_gb=result.get("peak_memory_gb"), file=result_file
         )
-        row["mfu"] = mfu(row["img_s"], training_flops_per_image("sd2-base", resolution), peak_flops())
+        row["mfu"] = mfu(row["img_s"], training_flops_per_image(preset, resolution), peak_flops())
     else:
         row["log"] = str(result_file.with_suffix(".log"))
     return row
@@ -177,33 +225,36 @@ def plain_loop(preset: str, resolution: int, batch: int, steps: int = 20, warmup
 
 
 def part_throughput(
-    n: int, out: Path, quick: bool, only: list[str] | None = None, resolutions=(256, 512)
+    n: int, out: Path, quick: bool, only: list[str] | None = None, resolutions=(256, 512), preset="sd2-base"
 ) -> list[dict]:
     from models.flops import mfu, training_flops_per_image
 
+    variants = TARGETS[preset]["variants"]
+    low, high = sorted(TARGETS[preset]["microbatch"])
     batches = 10 if quick else 20
-    names = list(VARIANTS)[:1] if quick else list(VARIANTS)
+    names = list(variants)[:1] if quick else list(variants)
     if only:  # the baseline always runs: every ratio in the table is against it
-        names = [names[0], *(name for name in VARIANTS if name != names[0] and any(o in name for o in only))]
+        names = [names[0], *(name for name in variants if name != names[0] and any(o in name for o in only))]
     rows = []
 
     def measure(resolution: int, name: str) -> None:
-        rows.append(throughput(n, out, resolution, name, VARIANTS[name], batches))
+        rows.append(throughput(n, out, resolution, name, variants[name], batches, preset))
         print(f"measured: {rows[-1]}", flush=True)  # a run cut short still shows what it measured
 
-    if 256 in resolutions:
+    if low in resolutions:
         for name in names:
-            measure(256, name)
-    if 512 in resolutions:  # the baseline and 256 px's best, or the chosen variants when 256 did not run
+            measure(low, name)
+    if high in resolutions:  # the baseline and the lower size's best, or the chosen variants alone
         best = max((r for r in rows if r["ok"]), key=lambda r: r["img_s"], default=None)
         for name in dict.fromkeys([names[0], best["variant"]] if best else names):
-            measure(512, name)
-    for resolution in (256, 512):
+            measure(high, name)
+    for resolution in (low, high):
         done = [r for r in rows if r["ok"] and r["resolution"] == resolution]
         if done:
             top = max(done, key=lambda r: r["img_s"])
-            (out / f"throughput-{resolution}.json").write_text(Path(top["file"]).read_text())
-    if 256 not in resolutions:
+            suffix = "" if preset == "sd2-base" else f"-{preset}"
+            (out / f"throughput{suffix}-{resolution}.json").write_text(Path(top["file"]).read_text())
+    if preset != "sd2-base" or 256 not in resolutions:  # the plain-loop ceiling: sd2-base's
         return rows
     micro = MICROBATCH[256]  # last: this process then holds the GPU only while no variant runs
     img_s, peak = plain_loop("sd2-base", 256, micro, steps=batches)
@@ -250,7 +301,7 @@ def part_ema() -> tuple[list[str], dict[str, float]]:
     return problems, ms
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], anchors: dict = ANCHORS) -> str:
     lines = [
         "| variant | px | microbatch | img/s per GPU | MFU | peak GB | vs anchor |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -261,18 +312,21 @@ def table(rows: list[dict]) -> str:
                 f"| {r['variant']} | {r['resolution']} | {r['microbatch']} | failed: {r['log']} | | | |"
             )
             continue
-        anchor = ANCHORS[r["resolution"]][0]
+        anchor = anchors.get(r["resolution"], (None,))[0]
+        versus = f"{r['img_s'] / anchor:.2f}x" if anchor else "-"
         memory = f"{r['memory_gb']:.1f}" if r.get("memory_gb") is not None else "?"
         lines.append(
             f"| {r['variant']} | {r['resolution']} | {r['microbatch']} | {r['img_s']:.1f} | {r['mfu']:.1%} "
-            f"| {memory} | {r['img_s'] / anchor:.2f}x |"
+            f"| {memory} | {versus} |"
         )
-    anchors = "; ".join(f"{px} px: {v:g} img/s ({why})" for px, (v, why) in ANCHORS.items())
+    anchor_text = (
+        "; ".join(f"{px} px: {v:g} img/s ({why})" for px, (v, why) in anchors.items()) or "none public"
+    )
     ceiling = next((r for r in rows if r["variant"] == PLAIN), None)
     base = next((r for r in rows if r["ok"] and r["variant"] != PLAIN and r["resolution"] == 256), None)
     if ceiling and base and base["microbatch"] == ceiling["microbatch"]:
-        anchors += f". {base['variant']} / plain loop at 256 px: {base['img_s'] / ceiling['img_s']:.2f}x"
-    return "\n".join(lines) + f"\n\nAnchors: {anchors}. Moonshot: 50% MFU.\n"
+        anchor_text += f". {base['variant']} / plain loop at 256 px: {base['img_s'] / ceiling['img_s']:.2f}x"
+    return "\n".join(lines) + f"\n\nAnchors: {anchor_text}. Moonshot: 50% MFU.\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,14 +340,25 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", nargs="+", metavar="TEXT", help="only the variants whose name contains one of these"
     )
     parser.add_argument(
-        "--resolutions", nargs="+", type=int, choices=(256, 512), default=[256, 512],
-        help="throughput at these: 512 px runs the baseline and 256 px's best (or --variants alone)",
+        "--preset", choices=sorted(TARGETS), default="sd2-base",
+        help="the recipe measured: sd2-base (all parts) or sdxl-base (throughput at 512 and 1024 px)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--resolutions", nargs="+", type=int, choices=(256, 512, 1024),
+        help="throughput at these (default: the preset's two): the higher runs the baseline and the "
+        "lower's best (or --variants alone)",
     )  # fmt: skip
     parser.add_argument(
         "--deterministic", action="store_true",
         help="e2e in Composer's deterministic mode, where the resume must be bitwise (slower kernels)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    sizes = sorted(TARGETS[args.preset]["microbatch"])
+    args.resolutions = args.resolutions or sizes
+    if not set(args.resolutions) <= set(sizes):
+        parser.error(f"--preset {args.preset} measures at {sizes} px, not {args.resolutions}")
+    if args.preset != "sd2-base":
+        args.parts = [part for part in args.parts if part == "throughput"]
     n = gpus()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -302,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# gpu-check {time.strftime('%Y-%m-%d')}: {n} x {device}, torch {torch.__version__}")
     problems = []
     if "throughput" in args.parts:
-        rows = part_throughput(n, args.out, args.quick, args.variants, args.resolutions)
-        print(table(rows))
+        rows = part_throughput(n, args.out, args.quick, args.variants, args.resolutions, args.preset)
+        print(table(rows, TARGETS[args.preset]["anchors"]))
         problems += [
             f"throughput variant failed: {r['variant']} at {r['resolution']} px" for r in rows if not r["ok"]
         ]

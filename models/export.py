@@ -1,16 +1,19 @@
-"""Composer checkpoint -> StableDiffusion model -> diffusers `StableDiffusionPipeline` folder.
+"""Composer checkpoint -> StableDiffusion(XL) model -> diffusers `StableDiffusionPipeline` folder
+(`StableDiffusionXLPipeline` for an SDXL model).
 
     python -m models.export CHECKPOINT OUT_DIR [--ema | --raw] [--preset tiny]
 
-A checkpoint carries its model record (models/record.py: component configs, noise schedule,
-prediction type, zero-terminal SNR, latent scale, preset), and that exact model is rebuilt; a
-`--preset` or `--prediction-type` that contradicts it is an error. Checkpoints written before the
+A checkpoint carries its model record (models/record.py: model family, component configs, noise
+schedule, prediction type, zero-terminal SNR, latent scale, preset), and that exact model is rebuilt;
+a `--preset` or `--prediction-type` that contradicts it is an error. Checkpoints written before the
 record existed are read as before, with a warning: the architecture is inferred by matching their
-tensor shapes against every preset in models/presets.py (or named with `--preset`) and the prediction
-type comes from `--prediction-type` (default epsilon). The UNet is the EMA average when the
+tensor shapes against every preset of their family in models/presets.py (SDXL when they hold a
+text_encoder_2; or named with `--preset`) and the prediction type comes from `--prediction-type`
+(default epsilon). The UNet is the EMA average when the
 checkpoint has one (`--ema`, the default then) or the raw training weights (`--raw`). The exported
-folder loads with `StableDiffusionPipeline.from_pretrained(OUT_DIR)` and samples like
-`StableDiffusion.generate` with the DDIM sampler.
+folder loads with `StableDiffusionPipeline.from_pretrained(OUT_DIR)` (SDXL:
+`StableDiffusionXLPipeline`, which zeroes the unconditional condition as training's caption dropout
+did: force_zeros_for_empty_prompt) and samples like `generate` with the DDIM sampler.
 """
 
 import argparse
@@ -19,19 +22,20 @@ import logging
 from pathlib import Path
 
 import torch
-from diffusers import DDIMScheduler, StableDiffusionPipeline
+from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 
 from compat.transformers import init_empty_weights
+from models.build import MODEL_CLASSES, _tokenizers
 from models.checkpoint_file import CheckpointError, ema_state, one_line_errors, raw_state, read_checkpoint
 from models.lora import merge_lora, save_lora
-from models.presets import PRESETS, build_components
-from models.record import read_record, rebuild
+from models.presets import PRESETS, build_components, family
+from models.record import model_family, read_record, rebuild_model
 from models.stable_diffusion import StableDiffusion
-from models.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = ("unet", "vae", "text_encoder")
+COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")  # the networks a preset has of these
+PIPELINES = {"sd": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
 PROG = "python -m models.export"  # argparse's default would be "export.py"
 
 
@@ -39,10 +43,11 @@ PROG = "python -m models.export"  # argparse's default would be "export.py"
 def _preset_shapes(preset: str) -> dict[str, tuple[int, ...]]:
     # Built on the meta device: shapes of sd2-base's 1.3B parameters with no memory and no init.
     with torch.device("meta"):
-        components = build_components(preset)
+        components = build_components(preset, skip=("noise_scheduler",))
     shapes = {
         f"{name}.{key}": tuple(tensor.shape)
         for name in COMPONENTS
+        if name in components
         for key, tensor in components[name].state_dict().items()
     }
     return {**shapes, "latent_scale": ()}  # StableDiffusion's buffer: the VAE's latent scale
@@ -61,10 +66,16 @@ def _difference(expected: dict, weights: dict) -> str | None:
     return None
 
 
+def weights_family(weights: dict[str, torch.Tensor]) -> str:
+    """The family of a state dict (models.presets.family): "sdxl" with a second text encoder, else "sd"."""
+    return "sdxl" if any(k.startswith("text_encoder_2.") for k in weights) else "sd"
+
+
 def infer_preset(weights: dict[str, torch.Tensor]) -> str:
-    """The preset whose architecture has exactly these tensor names and shapes."""
+    """The preset whose architecture has exactly these tensor names and shapes. Only the presets of
+    the weights' family are built (on the meta device): the others' names cannot match anyway."""
     differences = {}
-    for preset in PRESETS:
+    for preset in (p for p in PRESETS if family(p) == weights_family(weights)):
         differences[preset] = _difference(_preset_shapes(preset), weights)
         if differences[preset] is None:
             return preset
@@ -79,7 +90,8 @@ def load_model_from_checkpoint(
     preset: str | None = None,
     prediction_type: str | None = None,
 ) -> StableDiffusion:
-    """The StableDiffusion model of a Composer checkpoint, on the CPU in eval mode.
+    """The StableDiffusion (or StableDiffusionXL) model of a Composer checkpoint, on the CPU in eval
+    mode.
 
     ema: True for the EMA-averaged UNet (an error if the checkpoint has none), False for the raw
         training weights, None for the average when there is one.
@@ -120,12 +132,10 @@ def load_model_from_checkpoint(
         if record.get("lora"):
             return _lora_model(path, record, weights)
         with init_empty_weights():
-            parts = rebuild(record)
+            model = rebuild_model(record)
         log.info(
             "%s: model from its record (preset %s, %s)", path, record.get("preset"), record["prediction_type"]
         )
-        model = StableDiffusion(**parts)
-        model.preset, model.tokenizer_source = record.get("preset"), record["tokenizer"].get("source")
     else:
         log.warning(
             "%s has no model record (written before checkpoints carried one): the architecture is inferred "
@@ -143,8 +153,8 @@ def load_model_from_checkpoint(
             raise CheckpointError(f"{path} does not hold preset {preset!r}: {why}")
         with init_empty_weights():
             components = build_components(preset)
-        model = StableDiffusion(
-            tokenizer=build_tokenizer(), prediction_type=prediction_type or "epsilon", **components
+        model = MODEL_CLASSES[family(preset)](
+            **_tokenizers(preset), prediction_type=prediction_type or "epsilon", **components
         )
         model.preset = preset
     model.load_state_dict(weights, strict=True, assign=True)
@@ -181,11 +191,12 @@ def _lora_model(path, record: dict, weights: dict) -> StableDiffusion:
 
 
 def export_pipeline(model: StableDiffusion, out_dir: str | Path) -> Path:
-    """Write `model` as a diffusers StableDiffusionPipeline folder (safetensors weights)."""
+    """Write `model` as a diffusers StableDiffusionPipeline folder (safetensors weights); an SDXL
+    model as a StableDiffusionXLPipeline folder."""
     out_dir = Path(out_dir)
     # The pipeline decodes with vae.config.scaling_factor; the model with its own latent_scale.
     model.vae.register_to_config(scaling_factor=float(model.latent_scale))
-    pipeline = StableDiffusionPipeline(
+    parts = dict(
         vae=model.vae,
         text_encoder=model.text_encoder,
         tokenizer=model.tokenizer,
@@ -193,12 +204,23 @@ def export_pipeline(model: StableDiffusion, out_dir: str | Path) -> Path:
         # The training schedule (and prediction_type) with the deterministic DDIM sampler, which is
         # also StableDiffusion.generate's default.
         scheduler=DDIMScheduler.from_config(model.noise_scheduler.config),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
     )
+    pipeline_class = PIPELINES[model_family(model)]
+    if pipeline_class is StableDiffusionXLPipeline:
+        pipeline = pipeline_class(
+            **parts,
+            text_encoder_2=model.text_encoder_2,
+            tokenizer_2=model.tokenizer_2,
+            # Zeros as the unconditional condition: what caption dropout trained (models/sdxl.py).
+            force_zeros_for_empty_prompt=True,
+            add_watermarker=False,  # not saved in the folder; a loader decides for itself
+        )
+    else:
+        pipeline = pipeline_class(
+            **parts, safety_checker=None, feature_extractor=None, requires_safety_checker=False
+        )
     pipeline.save_pretrained(out_dir, safe_serialization=True)
-    log.info("wrote a StableDiffusionPipeline to %s", out_dir)
+    log.info("wrote a %s to %s", pipeline_class.__name__, out_dir)
     return out_dir
 
 
@@ -252,8 +274,9 @@ def export(args: argparse.Namespace) -> None:
                 f"{args.checkpoint} is not a LoRA checkpoint; export it without --lora/--merge-lora"
             )
     elif args.lora:
-        out_dir = save_lora(model.unet, args.out_dir)
-        print(f"LoRA weights: {out_dir.resolve()} (StableDiffusionPipeline.load_lora_weights loads it)")
+        pipeline_class = PIPELINES[model_family(model)]
+        out_dir = save_lora(model.unet, args.out_dir, pipeline_class)
+        print(f"LoRA weights: {out_dir.resolve()} ({pipeline_class.__name__}.load_lora_weights loads it)")
         return
     elif args.merge_lora:
         merge_lora(model.unet)

@@ -10,16 +10,18 @@ j differs between rows only by the prompt, and a prompt's row does not depend on
 """
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from torchvision.utils import save_image
-from transformers import CLIPTextModel, CLIPTokenizer
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from models.checkpoint_file import CheckpointError, check_checkpoint_file, one_line_errors
 from models.export import add_weight_args, load_model_from_checkpoint
+from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import SAMPLERS, StableDiffusion
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,8 @@ PROG = "python -m models.generate"  # argparse's default would be "generate.py"
 
 def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion:
     """A StableDiffusion model from a diffusers StableDiffusionPipeline folder (models.export's
-    output, or any SD folder with the same components), on the CPU in eval mode."""
+    output, or any SD folder with the same components), on the CPU in eval mode; a
+    StableDiffusionXL model from a folder with a `text_encoder_2/` (a StableDiffusionXLPipeline's)."""
     folder = Path(folder)
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(f"{folder} is not a diffusers pipeline folder (no model_index.json)")
@@ -41,8 +44,7 @@ def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion:
     unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", low_cpu_mem_usage=False, **local)
     # The saved sampler (DDIM) as the training DDPM schedule: generate() builds its sampler from it.
     scheduler_config = DDPMScheduler.load_config(folder, subfolder="scheduler", **local)
-    log.info("%s: loaded the pipeline's components", folder)
-    return StableDiffusion(
+    parts = dict(
         unet=unet,
         vae=vae,
         text_encoder=CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", **local),
@@ -50,7 +52,22 @@ def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion:
         noise_scheduler=DDPMScheduler.from_config(scheduler_config),
         latent_scale=vae.config.scaling_factor,
         prediction_type=scheduler_config.get("prediction_type", "epsilon"),
-    ).eval()
+    )
+    if not (folder / "text_encoder_2").is_dir():
+        log.info("%s: loaded the pipeline's components", folder)
+        return StableDiffusion(**parts).eval()
+    index = json.loads((folder / "model_index.json").read_text())
+    if not index.get("force_zeros_for_empty_prompt", True):
+        log.warning(
+            "%s sets force_zeros_for_empty_prompt=false: its pipeline guides away from the empty prompt's "
+            "embedding; generate() guides away from zeros (what SDXL's caption dropout trains)",
+            folder,
+        )
+    text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2", **local)
+    tokenizer_2 = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", **local)
+    model = StableDiffusionXL(**parts, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
+    log.info("%s: loaded the SDXL pipeline's components", folder)
+    return model.eval()
 
 
 def check_source(path: str | Path, ema: bool | None = None) -> Path:

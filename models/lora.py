@@ -4,8 +4,9 @@
 peft adapter (only its weights require grad, so the optimizer and the EMA hold only them), and makes
 the model's checkpoints hold only the trainable tensors: the frozen base comes back from the
 pretrained folder, which a LoRA run must load every network from. `save_lora` writes diffusers' LoRA
-file (what `StableDiffusionPipeline.load_lora_weights(dir)` reads); `merge_lora` folds the adapter
-into the UNet's weights for a full pipeline export.
+file (what `StableDiffusionPipeline.load_lora_weights(dir)` reads, or for an SDXL UNet
+`StableDiffusionXLPipeline.load_lora_weights(dir)`); `merge_lora` folds the adapter into the UNet's
+weights for a full pipeline export.
 """
 
 from pathlib import Path
@@ -14,7 +15,8 @@ import torch
 
 # Attention projections, as diffusers' LoRA training example targets.
 DEFAULT_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
-# Every network comes from the base folder: a LoRA checkpoint stores none of their weights.
+# Every network comes from the base folder: a LoRA checkpoint stores none of their weights. (An
+# SDXL model loads text_encoder_2 wherever it loads text_encoder: models.build._sdxl_pairs.)
 BASE_COMPONENTS = ("unet", "vae", "text_encoder")
 
 
@@ -72,12 +74,15 @@ def lora_state_dict(unet) -> dict[str, torch.Tensor]:
     return convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
 
 
-def save_lora(unet, out_dir: str | Path) -> Path:
-    """diffusers' LoRA file (pytorch_lora_weights.safetensors, with rank/alpha metadata)."""
-    from diffusers import StableDiffusionPipeline
+def save_lora(unet, out_dir: str | Path, pipeline_class=None) -> Path:
+    """diffusers' LoRA file (pytorch_lora_weights.safetensors, with rank/alpha metadata), written by
+    `pipeline_class.save_lora_weights` (StableDiffusionPipeline by default; StableDiffusionXLPipeline
+    for an SDXL UNet), so that the same class's load_lora_weights reads it."""
+    if pipeline_class is None:
+        from diffusers import StableDiffusionPipeline as pipeline_class
 
     out_dir = Path(out_dir)
-    StableDiffusionPipeline.save_lora_weights(
+    pipeline_class.save_lora_weights(
         out_dir,
         unet_lora_layers=lora_state_dict(unet),
         unet_lora_adapter_metadata=unet.peft_config["default"].to_dict(),

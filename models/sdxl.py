@@ -29,7 +29,9 @@ class StableDiffusionXL(StableDiffusion):
 
     micro_conditioning = True
 
-    def __init__(self, unet, vae, text_encoder, tokenizer, noise_scheduler, *, text_encoder_2, tokenizer_2, **kw):
+    def __init__(
+        self, unet, vae, text_encoder, tokenizer, noise_scheduler, *, text_encoder_2, tokenizer_2, **kw
+    ):
         super().__init__(unet, vae, text_encoder, tokenizer, noise_scheduler, **kw)
         self.text_encoder_2 = text_encoder_2.requires_grad_(False).eval()
         self.tokenizer_2 = tokenizer_2
@@ -42,7 +44,9 @@ class StableDiffusionXL(StableDiffusion):
 
     # -- conditioning ----------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_text(self, input_ids: torch.Tensor, input_ids_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_text(
+        self, input_ids: torch.Tensor, input_ids_2: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(context (B, 77, D1 + D2), pooled (B, P)): both encoders' penultimate hidden states and the
         second encoder's projected pooled output, as StableDiffusionXLPipeline.encode_prompt makes them."""
         first = self.text_encoder(input_ids, output_hidden_states=True)

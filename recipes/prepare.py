@@ -91,36 +91,60 @@ def prepare_shapes_mds(local: str | Path, n: int = 2048, size: int = 32, seed: i
     return local
 
 
-def prepare_sd2_latents(local: str | Path, n: int = 512, resolutions=(256, 512), seed: int = 0) -> Path:
-    """Random precomputed latents shaped like sd2-base's (`convert latents` columns: VAE moments at
-    each resolution, 77 x 1024 OpenCLIP-H text embeddings), for GPU throughput and wiring checks
-    (bench/gpu_check.py) where the data's content does not matter and a VAE pass would be wasted.
-    Made once; safe when several ranks call it at once (as prepare_shapes_mds)."""
+def prepare_random_latents(
+    local: str | Path, preset: str = "sd2-base", n: int = 512, resolutions=(256, 512), seed: int = 0
+) -> Path:
+    """Random precomputed latents shaped like `preset`'s (`convert latents` columns: VAE moments at
+    each resolution, the text context; for SDXL also the pooled vector and micro-conditioning), for
+    GPU throughput and wiring checks (bench/gpu_check.py) where the data's content does not matter
+    and a VAE pass would be wasted. Made once; safe when several ranks call it at once (as
+    prepare_shapes_mds)."""
     import numpy as np
 
     from convert.latents import columns
+    from models.presets import PRESETS, family
 
     local = Path(local)
     if (local / "index.json").exists():
         return local
+    spec, sdxl = PRESETS[preset], family(preset) == "sdxl"
+    width = spec["unet"]["cross_attention_dim"]  # sd2-base: OpenCLIP-H's 1024; SDXL: 768 + 1280
+    channels, factor = spec["vae"]["latent_channels"], 2 ** (len(spec["vae"]["block_out_channels"]) - 1)
     rng = np.random.default_rng(seed)
 
     def rows():
         for i in range(n):
-            row = {"caption": "", "key": str(i), "text_embeds": rng.standard_normal((77, 1024), np.float32)}
+            row = {"caption": "", "key": str(i)}
+            row["text_embeds"] = rng.standard_normal((77, width), np.float32).astype(np.float16)
             for r in resolutions:  # moments: mean ~ 5 N(0, 1), as unscaled SD latents (scale 0.18215)
-                mean = rng.standard_normal((4, r // 8, r // 8), np.float32) * 5
+                mean = rng.standard_normal((channels, r // factor, r // factor), np.float32) * 5
                 row[f"latents_{r}"] = np.concatenate([mean, np.full_like(mean, -6.0)]).astype(np.float16)
-            row["text_embeds"] = row["text_embeds"].astype(np.float16)
+            if sdxl:
+                pooled = spec["text_encoder_2"]["projection_dim"]
+                row["pooled_text_embeds"] = rng.standard_normal(pooled, np.float32).astype(np.float16)
+                row["original_size"] = np.array([max(resolutions)] * 2, dtype=np.int64)
+                row.update({f"crop_top_left_{r}": np.zeros(2, dtype=np.int64) for r in resolutions})
             yield row
 
     with atomic_path(local, existing="keep") as out:
-        write_mds(rows(), str(out), columns(list(resolutions)))
+        write_mds(rows(), str(out), columns(list(resolutions), sdxl))
     return local
 
 
+def prepare_sd2_latents(local: str | Path, n: int = 512, resolutions=(256, 512)) -> Path:
+    return prepare_random_latents(local, "sd2-base", n, resolutions)
+
+
+def prepare_sdxl_latents(local: str | Path, n: int = 256, resolutions=(512, 1024)) -> Path:
+    return prepare_random_latents(local, "sdxl-base", n, resolutions)
+
+
 # Datasets that `data.train.prepare: NAME` builds at `data.train.local` when it is missing.
-PREPARERS = {"shapes": prepare_shapes_mds, "sd2-latents": prepare_sd2_latents}
+PREPARERS = {
+    "shapes": prepare_shapes_mds,
+    "sd2-latents": prepare_sd2_latents,
+    "sdxl-latents": prepare_sdxl_latents,
+}
 
 
 def ensure_dataset(cfg: ImageCaptionDataConfig, size_multiple: int = 64, key: str = "data") -> None:

@@ -38,6 +38,31 @@ def test_every_variant_is_a_valid_config(variant, resolution):
     assert run.trainer["device_train_microbatch_size"] == micro and run.global_train_batch_size == 8 * micro
 
 
+@pytest.mark.parametrize("resolution", [512, 1024])
+@pytest.mark.parametrize("variant", list(gpu_check.SDXL_VARIANTS))
+def test_every_sdxl_variant_is_a_valid_config(variant, resolution):
+    micro, overrides = gpu_check.variant_overrides(
+        8, resolution, gpu_check.SDXL_VARIANTS[variant], "sdxl-base"
+    )
+    bench = ["model.pretrained=null", "data.train.remote=null", "trainer.save_folder=null"]
+    run = parse_config(load_config(REPO / "yamls/sdxl-base.yaml", [*overrides, *bench]))
+    assert run.model["preset"] == "sdxl-base" and run.data.train.latents and not run.data.train.buckets
+    assert run.data.train.prepare == "sdxl-latents" and run.data.train.resolution == resolution
+    assert run.trainer["device_train_microbatch_size"] == micro and run.global_train_batch_size == 8 * micro
+
+
+def test_sdxl_latents_hand_the_model_what_it_reads(tmp_path):
+    """The random SDXL latents give the model a batch it trains on: context, pooled vector and
+    micro-conditioning, with the sdxl-base shapes."""
+    from recipes.prepare import prepare_random_latents
+
+    local = prepare_random_latents(tmp_path / "xl", "sdxl-base", n=2, resolutions=(512,))
+    sample = LatentsDataset(local=str(local), resolution=512, batch_size=1)[0]
+    assert sample["latents"].shape == (8, 64, 64) and sample["text_embeds"].shape == (77, 2048)
+    assert sample["pooled_text_embeds"].shape == (1280,)
+    assert sample["original_size"].tolist() == [512, 512] and sample["crop_top_left"].tolist() == [0, 0]
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_e2e_config_keeps_the_recipe_and_adds_ema(tmp_path, deterministic):
     overrides = [*gpu_e2e.e2e_overrides(2, tmp_path), *gpu_e2e.run_overrides(tmp_path, deterministic)]
@@ -129,7 +154,7 @@ def test_throughput_runs_what_was_asked_within_one_device_call(
     --resolutions decide what runs; the 512 px rows follow 256 px's best."""
     ran, base = [], next(iter(gpu_check.VARIANTS))
 
-    def fake_throughput(n, out, resolution, name, overrides, batches):
+    def fake_throughput(n, out, resolution, name, overrides, batches, preset="sd2-base"):
         ran.append((resolution, "base" if name == base else name))
         result = tmp_path / f"{len(ran)}.json"
         result.write_text("{}")
