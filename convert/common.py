@@ -6,8 +6,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # Columns every image-caption converter writes. `image` holds encoded image bytes: the original file's
-# bytes unless the image had to be repaired or a resize was asked for; width/height describe those bytes.
-BASE_COLUMNS = {"image": "bytes", "caption": "str", "width": "int32", "height": "int32", "key": "str"}
+# bytes unless the image had to be repaired or a resize was asked for; width/height describe those bytes,
+# original_width/original_height the image before that resize (SDXL's micro-conditioning: convert/images.py).
+BASE_COLUMNS = {
+    "image": "bytes",
+    "caption": "str",
+    "width": "int32",
+    "height": "int32",
+    "original_width": "int32",
+    "original_height": "int32",
+    "key": "str",
+}
 # LAION metadata, written by the `laion` and `img2dataset` sources (NaN / "" where the input lacks it).
 LAION_COLUMNS = {
     "url": "str",

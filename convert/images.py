@@ -7,10 +7,17 @@ Two paths:
   data, then repaired (CMYK, 16-bit, transparency, EXIF orientation -> plain RGB), resized and
   re-encoded only if something changed.
 `--verify decode` sends every image down the careful path.
+
+Each prepared image also carries its original size: (width, height) before the resize, upright (after
+EXIF orientation, as training sees it). SDXL conditions on it (micro-conditioning: data/image_caption.py),
+so that a model learns what an upscaled small image looks like instead of learning to draw blur;
+a resize here would otherwise hide it. With --center-crop it is the centred square's size before the
+resize: the stored pixels show that square, and the training crop's offsets are measured in them.
 """
 
 import io
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -43,15 +50,29 @@ class ImageOptions:
     verify: str = "header"  # "decode": fully decode every image, even ones passed through
 
 
+class PreparedImage(NamedTuple):
+    data: bytes  # to store
+    width: int  # of `data`
+    height: int
+    repairs: tuple[str, ...]
+    original_width: int  # before the resize (and after EXIF orientation)
+    original_height: int
+
+
 def prepare_image(data: bytes, opts: ImageOptions) -> tuple[bytes, int, int, tuple[str, ...]]:
     """(bytes to store, width, height, repairs made) for one encoded image, or raise SkipSample."""
+    return prepare_image_sized(data, opts)[:4]
+
+
+def prepare_image_sized(data: bytes, opts: ImageOptions) -> PreparedImage:
+    """`prepare_image` and the image's original size, or raise SkipSample."""
     if not data:
         raise SkipSample("empty_file")
     head = sniff(data)
     if head is not None:
         _check_size(head.width, head.height, opts)
         if head.passthrough and opts.verify == "header" and _target(head.width, head.height, opts) is None:
-            return data, head.width, head.height, ()
+            return PreparedImage(data, head.width, head.height, (), head.width, head.height)
     return _prepare_with_pil(data, head, opts)
 
 
@@ -113,13 +134,18 @@ def _decode(data: bytes, head: Header | None, opts: ImageOptions):
     except Exception as err:  # a decoder meeting hostile data can raise nearly anything
         raise SkipSample("truncated_image" if "truncat" in str(err).lower() else "corrupt_image") from None
     if not repairs and target is None:
-        return data, width, height, ()
+        return PreparedImage(data, width, height, (), width, height)
     if orientation != 1:
         image = ImageOps.exif_transpose(image)
+    # The size read before the draft decode shrank the image, turned upright.
+    original = (height, width) if turned else (width, height)
+    if opts.center_crop:
+        original = (min(original),) * 2
     image = to_rgb(image)
     if target is not None:
         image = _resize_crop(image, target, opts.center_crop)
-    return encode(image, source_format, opts), image.width, image.height, tuple(repairs)
+    stored = encode(image, source_format, opts)
+    return PreparedImage(stored, image.width, image.height, tuple(repairs), *original)
 
 
 def _repairs(image: Image.Image, head: Header | None) -> list[str]:

@@ -3,6 +3,10 @@
 Writes, per sample, `latents_{R}` for each resolution R (the VAE posterior's mean and logvar,
 unscaled, fp16: the model samples and scales them) and `text_embeds` (fp16), plus caption and key.
 Training on these skips the VAE and text encoder, about 1.4x faster for SD2 (mosaicml/diffusion).
+An SDXL preset (family "sdxl") writes what its UNet reads besides, as training on the
+images computes it (data/image_caption.py, models/sdxl.py): `text_embeds` (77, 2048) from both
+encoders, `pooled_text_embeds` (1280,) fp16, `original_size` (height, width) and per resolution
+`crop_top_left_{R}` (top, left) int64 (data/latents.py reads them back).
 
 Runs on convert.pipeline like the image converters: one input per input of the source, read from
 its index.json (`<src>/[<bucket>/]NAME/`, or each shard of a flat set), written to the same place
@@ -30,18 +34,30 @@ from PIL import Image
 
 from convert.common import ConvertError, Part, Skipped
 from convert.latents_source import source_parts
-from data.buckets import bucket_ratio, bucket_size, cover_crop, size_multiple
-from data.latents import latents_column
-from models.presets import PRESETS
+from data.buckets import bucket_crop, bucket_ratio, bucket_size, cover_crop, size_multiple
+from data.image_caption import original_size
+from data.latents import crop_column, latents_column
+from data.transforms import Crop
+from models.presets import PRESETS, family
+from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import StableDiffusion
 from models.tokenizer import tokenize
 
 log = logging.getLogger(__name__)
 
 
-def columns(resolutions: list[int]) -> dict[str, str]:
+def is_sdxl(preset: str) -> bool:
+    """Whether `preset` is SDXL's, whose pooled text and micro-conditioning get stored too (by its
+    family: other families have a `text_encoder_2` too, used otherwise)."""
+    return family(preset) == "sdxl"
+
+
+def columns(resolutions: list[int], sdxl: bool = False) -> dict[str, str]:
     cols = {"caption": "str", "key": "str", "text_embeds": "ndarray:float16"}
     cols.update({latents_column(r): "ndarray:float16" for r in resolutions})
+    if sdxl:
+        cols.update({"pooled_text_embeds": "ndarray:float16", "original_size": "ndarray:int64"})
+        cols.update({crop_column(r): "ndarray:int64" for r in resolutions})
     return cols
 
 
@@ -55,6 +71,7 @@ class Encoders:
 
     vae_moments = StableDiffusion.vae_moments
     encode_text = StableDiffusion.encode_text
+    micro_conditioning = False
 
     def __init__(self, vae, text_encoder, tokenizer):
         self.vae, self.text_encoder, self.tokenizer = vae, text_encoder, tokenizer
@@ -65,6 +82,21 @@ class Encoders:
         return self
 
 
+class SDXLEncoders(Encoders):
+    """SDXL's: both text encoders, through StableDiffusionXL's own `encode_text` ((context, pooled))."""
+
+    encode_text = StableDiffusionXL.encode_text
+    micro_conditioning = True
+
+    def __init__(self, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2):
+        super().__init__(vae, text_encoder, tokenizer)
+        self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
+
+    def to(self, device) -> "SDXLEncoders":
+        self.text_encoder_2.to(device).eval()
+        return super().to(device)
+
+
 def load_encoders(preset: str, pretrained: str | None = None) -> Encoders:
     """`preset`'s encoders from `pretrained`, or its random weights drawn from seed 0, so that every
     process of a run (and every run) encodes with the same ones."""
@@ -72,7 +104,8 @@ def load_encoders(preset: str, pretrained: str | None = None) -> Encoders:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return Encoders(**build_encoders(preset, pretrained))
+        parts = build_encoders(preset, pretrained)
+    return SDXLEncoders(**parts) if is_sdxl(preset) else Encoders(**parts)
 
 
 def pixel_sizes(bucket: str, resolutions, preset: str) -> dict[int, tuple[int, int]]:
@@ -89,25 +122,40 @@ def _pixels(image_bytes: bytes, height: int, width: int | None = None) -> torch.
     return cover_crop(image_bytes, height, height if width is None else width)
 
 
-def _prepare(row: dict, sizes: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor] | str:
-    try:
-        return {r: _pixels(row["image"], *size) for r, size in sizes.items()}
+def _prepare(row: dict, sizes: dict[int, tuple[int, int]]) -> dict[int, Crop] | str:
+    try:  # `_pixels`' pixels, and where they were cropped
+        return {r: bucket_crop(row["image"], *size) for r, size in sizes.items()}
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         return "corrupt_image"
 
 
+def _text_columns(model, captions: list[str], device) -> dict[str, np.ndarray]:
+    """The text encoders' outputs as stored: the model's own `encode_text`, SD's or SDXL's."""
+    ids = tokenize(model.tokenizer, captions).to(device)
+    if not isinstance(model, (StableDiffusionXL, SDXLEncoders)):
+        return {"text_embeds": model.encode_text(ids).half().cpu().numpy()}
+    context, pooled = model.encode_text(ids, tokenize(model.tokenizer_2, captions).to(device))
+    return {"text_embeds": context.half().cpu().numpy(), "pooled_text_embeds": pooled.half().cpu().numpy()}
+
+
 @torch.no_grad()
-def _encode(model, rows: list[dict], pixels: list[dict], resolutions, device) -> list[dict]:
+def _encode(model, rows: list[dict], crops: list[dict], resolutions, device) -> list[dict]:
     captions = [row["caption"] for row in rows]
-    text = model.encode_text(tokenize(model.tokenizer, captions).to(device)).half().cpu().numpy()
+    text = _text_columns(model, captions, device)
     latents = {}
     for r in resolutions:
-        batch = torch.stack([p[r] for p in pixels]).to(device, non_blocking=True)
+        batch = torch.stack([c[r].pixels for c in crops]).to(device, non_blocking=True)
         latents[r] = model.vae_moments(batch).half().cpu().numpy()
+    micro = getattr(model, "micro_conditioning", False)
     samples = []
     for j, row in enumerate(rows):
-        sample = {"caption": captions[j], "key": row["key"], "text_embeds": text[j]}
+        sample = {"caption": captions[j], "key": row["key"], **{k: v[j] for k, v in text.items()}}
         sample.update({latents_column(r): np.ascontiguousarray(latents[r][j]) for r in resolutions})
+        if micro:  # what the image path hands over for an unflipped sample (data/image_caption.py)
+            stored = crops[j][resolutions[0]].size
+            sample["original_size"] = np.array(original_size(row, stored), dtype=np.int64)
+            for r in resolutions:
+                sample[crop_column(r)] = np.array(crops[j][r].top_left, dtype=np.int64)
         samples.append(sample)
     return samples
 
@@ -158,8 +206,8 @@ def iter_samples(
     src: str, model, resolutions: list[int], batch_size: int = 16, device="cpu", preset: str = "sd2-base"
 ) -> Iterator[dict]:
     """Every sample of the MDS set `src` with its latents, input by input (index order for a set
-    without buckets). `model` has `vae_moments`, `encode_text` and `tokenizer`, on `device`; `preset`
-    gives the bucket sizes' multiple."""
+    without buckets). `model`, a model or `load_encoders`' Encoders, has `vae_moments`, `encode_text`
+    and `tokenizer` (SDXL's: `tokenizer_2` too), on `device`; `preset` gives the bucket sizes' multiple."""
     parts, _ = source_parts(src)
     for part in parts:
         for result in encode_rows(part.samples(), model, resolutions, preset, batch_size, device):
@@ -300,6 +348,7 @@ def convert_latents(
     options = LatentsOptions(resolutions, preset, pretrained, buckets)
     encoder = Encoder(preset, pretrained, resolutions, batch_size, device, workers)
     return convert(
-        parts, out, options, columns(list(resolutions)), source="latents", src=str(src), workers=workers,
+        parts, out, options, columns(list(resolutions), is_sdxl(preset)), source="latents", src=str(src),
+        workers=workers,
         work_dir=work_dir, progress=progress, overwrite=overwrite, write_rows=encoder, group=group,
     )  # fmt: skip

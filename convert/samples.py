@@ -15,7 +15,7 @@ import operator
 from dataclasses import dataclass, field
 
 from convert.common import Skipped
-from convert.images import ImageOptions, SkipSample, prepare_image
+from convert.images import ImageOptions, SkipSample, prepare_image_sized
 
 # (metadata column, option, keep if op(value, limit)). A sample whose value is missing is skipped when
 # the filter is on: an unknown NSFW score is not a passing one.
@@ -149,14 +149,22 @@ def prepare(raw: dict, opts: Options, columns: dict) -> tuple[dict, tuple[str, .
     if data is None:
         return Skipped(key, "missing_image")
     try:
-        data, width, height, repairs = prepare_image(data, opts.image)
+        image = prepare_image_sized(data, opts.image)
     except SkipSample as skip:
         return Skipped(key, skip.reason)
-    row = {"image": data, "caption": caption, "width": width, "height": height, "key": key}
+    row = {
+        "image": image.data,
+        "caption": caption,
+        "width": image.width,
+        "height": image.height,
+        "original_width": image.original_width,
+        "original_height": image.original_height,
+        "key": key,
+    }
     for column, kind in columns.items():
         if column not in row:
             row[column] = COERCE[kind](raw.get(column))
-    return row, repairs
+    return row, image.repairs
 
 
 def bucket_name(width: int, height: int, buckets: tuple[float, ...]) -> str:

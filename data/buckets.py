@@ -11,7 +11,7 @@ no square crops, no padding. At 256 px: ar1 -> 256x256, ar0.75 -> 320x192, ar1.3
 import math
 import re
 
-from data.image_caption import cover_crop  # noqa: F401 - the bucket transform lives with the square one
+from data.image_caption import bucket_crop, cover_crop  # noqa: F401 - the bucket transform lives with the square one
 
 _LABEL = re.compile(r"^ar(\d+(?:\.\d+)?)$")
 

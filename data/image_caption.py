@@ -5,6 +5,14 @@ flip; the model makes [-1, 1] floats of it on the device, models/pixels.py; with
 (3, H, W) floats in [-1, 1], its bucket's size: data/buckets.py) and
 `input_ids` (77,) CLIP tokens. Caption dropout is the model's job (`model.caption_drop_prob`), so it
 works the same on precomputed latents. The DataLoader and the config keys: data/loader.py.
+
+SDXL (models/sdxl.py) reads more: `input_ids_2` (77,) from its second tokenizer, and with
+`micro_conditioning` the two sizes it is conditioned on besides the target size, so that it learns
+what a small upscaled image and a cropped one look like instead of drawing them unasked (SDXL paper,
+section 2.2): `original_size` (height, width) of the image before the converter resized it (its
+`original_height`/`original_width` columns, else the stored image's size) and `crop_top_left`
+(top, left) of the training crop in the resized image, as LongTensors (2,). Without the flags a
+sample is exactly what it was before SDXL.
 """
 
 import functools
@@ -16,7 +24,8 @@ from PIL import Image
 from torchvision.transforms import functional as F
 
 from data.streaming_base import StreamingBase
-from data.transforms import SquareTransform, square_pixels
+from data.transforms import Crop, SquareTransform, crop_top_left, square_crop
+from models.pixels import to_float
 from models.tokenizer import CaptionEncoder
 
 TOKEN_CACHE_SIZE = 4096  # 4096 x 77 int64 = 2.5 MB per dataset
@@ -35,17 +44,39 @@ def cover_crop(image: bytes | Image.Image, height: int, width: int) -> torch.Ten
     """Encoded bytes or an opened image -> (3, height, width) in [-1, 1]: resize to cover, then center
     crop. For a square size this is exactly `image_transform(height)` (shorter side resized, center
     crop)."""
+    return bucket_crop(image, height, width).pixels
+
+
+def bucket_crop(image: bytes | Image.Image, height: int, width: int, flip: bool = False) -> Crop:
+    """`cover_crop`, mirrored when `flip`, with the image's size and the crop's offsets."""
     if height == width:
-        return image_transform(height)(image)
+        crop = square_crop(image, height, flip)
+        return crop._replace(pixels=to_float(crop.pixels))
     if isinstance(image, bytes):
         image = Image.open(io.BytesIO(image))
     image = image.convert("RGB")
     scale = max(height / image.height, width / image.width)
-    resized = F.resize(
-        image, [max(height, round(image.height * scale)), max(width, round(image.width * scale))]
+    new_height = max(height, round(image.height * scale))
+    new_width = max(width, round(image.width * scale))
+    resized = F.resize(image, [new_height, new_width])
+    pixels = F.normalize(F.to_tensor(F.center_crop(resized, [height, width])), [0.5], [0.5])
+    # F.center_crop's offsets, rounded as it rounds them.
+    top, left = int(round((new_height - height) / 2.0)), int(round((new_width - width) / 2.0))
+    return Crop(
+        pixels.flip(-1) if flip else pixels,
+        (image.height, image.width),
+        crop_top_left(top, left, new_width, width, flip),
     )
-    pixels = F.to_tensor(F.center_crop(resized, [height, width]))
-    return F.normalize(pixels, [0.5], [0.5])
+
+
+def original_size(row: dict, stored: tuple[int, int]) -> tuple[int, int]:
+    """(height, width) of a row's image before the converter resized it: its `original_height` and
+    `original_width` (sd-convert writes them), else `stored`, the stored image's size (a set
+    converted before those columns, or by another tool: it was not resized as far as we know)."""
+    height, width = row.get("original_height"), row.get("original_width")
+    if height is None or width is None or height <= 0 or width <= 0:
+        return stored
+    return int(height), int(width)
 
 
 class ImageCaptionDataset(StreamingBase):
@@ -58,25 +89,37 @@ class ImageCaptionDataset(StreamingBase):
         image_key: str = "image",
         caption_key: str = "caption",
         sizes: list[tuple[int, int]] | None = None,
+        tokenizer_2=None,
+        micro_conditioning: bool = False,
         **streaming_kwargs,
     ):
         super().__init__(**streaming_kwargs)
         # Per stream (height, width) for aspect-ratio buckets (data/buckets.py); None: square crops.
         self.sizes = sizes
-        self.tokenizer = tokenizer
+        self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
+        self.micro_conditioning = micro_conditioning
         self.image_key, self.caption_key = image_key, caption_key
         self.transform = image_transform(resolution)
         self.hflip = hflip
         # The slow (pure Python) CLIP tokenizer costs ~0.6 ms a caption; repeated captions (common
         # in small or synthetic sets) are tokenized once.
         self._token_ids = functools.lru_cache(maxsize=TOKEN_CACHE_SIZE)(self._tokenize)
+        self._token_ids_2 = functools.lru_cache(maxsize=TOKEN_CACHE_SIZE)(self._tokenize_2)
 
     def _tokenize(self, caption: str):
         # The ids of `tokenize(self.tokenizer, [caption])[0]`, 3-5x faster (models/tokenizer.py).
-        encoder = self.__dict__.get("_encoder")
-        if encoder is None or encoder.tokenizer is not self.tokenizer:
-            encoder = self._encoder = CaptionEncoder(self.tokenizer)
-        return encoder(caption)
+        return self._caption_encoder("_encoder", self.tokenizer)(caption)
+
+    def _tokenize_2(self, caption: str):
+        return self._caption_encoder("_encoder_2", self.tokenizer_2)(caption)
+
+    def _caption_encoder(self, name: str, tokenizer) -> CaptionEncoder:
+        # Built at first use, in the process that tokenizes (a DataLoader worker).
+        encoder = self.__dict__.get(name)
+        if encoder is None or encoder.tokenizer is not tokenizer:
+            encoder = CaptionEncoder(tokenizer)
+            setattr(self, name, encoder)
+        return encoder
 
     def _flips(self, index: int) -> bool:
         return _flip_decision(index, max(self.next_epoch - 1, 0))
@@ -86,16 +129,18 @@ class ImageCaptionDataset(StreamingBase):
         image = sample[self.image_key]  # encoded bytes, or an image for MDS's jpeg/png/pil columns
         flip = self.hflip and self._flips(index)
         if self.sizes is None:  # uint8: the model makes [-1, 1] floats of it on the device
-            pixels = square_pixels(image, self.transform.resolution, flip)
+            crop = square_crop(image, self.transform.resolution, flip)
         else:  # this sample's stream is one bucket; floats
             shard, _ = self.spanner[index]
-            pixels = cover_crop(image, *self.sizes[self.stream_per_shard[shard]])
-            if flip:
-                pixels = pixels.flip(-1)
-        return {
-            "image": pixels,
-            "input_ids": self._token_ids(sample[self.caption_key]).clone(),
-        }
+            crop = bucket_crop(image, *self.sizes[self.stream_per_shard[shard]], flip)
+        caption = sample[self.caption_key]
+        out = {"image": crop.pixels, "input_ids": self._token_ids(caption).clone()}
+        if self.tokenizer_2 is not None:
+            out["input_ids_2"] = self._token_ids_2(caption).clone()
+        if self.micro_conditioning:
+            out["original_size"] = torch.tensor(original_size(sample, crop.size))
+            out["crop_top_left"] = torch.tensor(crop.top_left)
+        return out
 
 
 def _flip_decision(index: int, epoch: int) -> bool:

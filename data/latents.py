@@ -3,6 +3,11 @@
 Rows hold `latents_{R}` (the VAE posterior's mean and logvar at resolution R, unscaled, fp16) and
 `text_embeds` (77, D) fp16. The model samples from the moments and applies the latent scale itself,
 so training on these is the same computation as training on the images.
+
+An SDXL preset's rows also hold what its UNet reads besides (models/sdxl.py): `pooled_text_embeds`
+(1280,) fp16, the second text encoder's projected pooled output, and the micro-conditioning sizes,
+`original_size` (height, width) and per resolution `crop_top_left_{R}` (top, left) int64, which a
+sample carries as `crop_top_left`. A set without them (an SD preset's) gives samples without them.
 """
 
 import torch
@@ -14,10 +19,15 @@ def latents_column(resolution: int) -> str:
     return f"latents_{resolution}"
 
 
+def crop_column(resolution: int) -> str:
+    return f"crop_top_left_{resolution}"
+
+
 class LatentsDataset(StreamingBase):
     def __init__(self, *, resolution: int, **streaming_kwargs):
         super().__init__(**streaming_kwargs)
         self.column = latents_column(resolution)
+        self.crop_column = crop_column(resolution)
 
     def __getitem__(self, index):
         sample = super().__getitem__(index)
@@ -28,7 +38,14 @@ class LatentsDataset(StreamingBase):
             )
         # One copy into writable float32 memory: from_numpy(...).float() kept fp32 columns in the
         # read-only sample buffer (a UserWarning in every worker, seen on the first GPU run).
-        return {
+        out = {
             "latents": torch.tensor(sample[self.column], dtype=torch.float32),
             "text_embeds": torch.tensor(sample["text_embeds"], dtype=torch.float32),
         }
+        if "pooled_text_embeds" in sample:
+            out["pooled_text_embeds"] = torch.tensor(sample["pooled_text_embeds"], dtype=torch.float32)
+        if "original_size" in sample:
+            out["original_size"] = torch.tensor(sample["original_size"], dtype=torch.int64)
+        if self.crop_column in sample:
+            out["crop_top_left"] = torch.tensor(sample[self.crop_column], dtype=torch.int64)
+        return out

@@ -72,10 +72,19 @@ def bucket_sizes(cfg: ImageCaptionDataConfig, labels, multiple: int) -> dict[str
 
 
 def build_image_caption_dataloader(
-    cfg: ImageCaptionDataConfig, tokenizer, batch_size: int, size_multiple: int = 64, split: str = "train"
+    cfg: ImageCaptionDataConfig,
+    tokenizer,
+    batch_size: int,
+    size_multiple: int = 64,
+    split: str = "train",
+    *,
+    tokenizer_2=None,
+    micro_conditioning: bool = False,
 ) -> DataLoader:
     """A DataLoader over the configured set(s) (recipes.prepare.ensure_dataset checks them);
-    `batch_size` is per device; `size_multiple` is what bucket sizes must be multiples of."""
+    `batch_size` is per device; `size_multiple` is what bucket sizes must be multiples of.
+    `tokenizer_2` and `micro_conditioning`: what an SDXL model reads besides (data/image_caption.py);
+    precomputed latents hold it already (data/latents.py)."""
     streaming = dict(
         shuffle=cfg.shuffle,
         batch_size=batch_size,
@@ -101,6 +110,8 @@ def build_image_caption_dataloader(
             image_key=cfg.image_key,
             caption_key=cfg.caption_key,
             sizes=sizes,
+            tokenizer_2=tokenizer_2,
+            micro_conditioning=micro_conditioning,
             **streaming,
         )
     return DataLoader(

@@ -19,6 +19,8 @@ then CenterCrop(R), as uint8 and in a third to a half of the time:
   PIL's fixed-point arithmetic: against Resize + CenterCrop, at most one 8-bit level (0.0078 in
   [-1, 1] units) on a few pixels (tests/test_data.py).
 Training and `convert latents` both pass the stored bytes, so precomputed latents see the same pixels.
+`square_crop` is `square_pixels` that also says where it cropped (SDXL's micro-conditioning:
+data/image_caption.py).
 
 The data loader hands over uint8 (a quarter of the bytes to collate, pass between processes and copy
 to the device); `models.pixels.to_float` makes [-1, 1] floats of them on the device with the
@@ -27,6 +29,7 @@ bit-identical inputs. Timings: bench/loader.py, docs/benchmarks.md.
 """
 
 import io
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -81,11 +84,31 @@ def rgb_tensor(
     return torch.from_numpy(np.array(rgb)).permute(2, 0, 1), size, reduction
 
 
+class Crop(NamedTuple):
+    """A training crop and where it came from: what SDXL's micro-conditioning needs."""
+
+    pixels: torch.Tensor
+    size: tuple[int, int]  # (height, width) of the whole image as stored, before the resize
+    top_left: tuple[int, int]  # (top, left) of the crop in the resized image; mirrored with the pixels
+
+
+def crop_top_left(top: int, left: int, resized_width: int, crop_width: int, flip: bool) -> tuple[int, int]:
+    """(top, left) of a crop; with `flip`, of the mirrored crop in the mirrored image: its left edge
+    is the unmirrored crop's right edge, counted from the other side. The model then sees offsets
+    that describe the pixels it gets, whichever way they face."""
+    return top, (resized_width - left - crop_width) if flip else left
+
+
 def square_pixels(
     image: bytes | Image.Image, resolution: int, flip: bool = False, draft: bool = True
 ) -> torch.Tensor:
     """Encoded bytes or an opened image (any mode) -> uint8 (3, R, R): Resize(R) + CenterCrop(R),
     mirrored left-right when `flip`."""
+    return square_crop(image, resolution, flip, draft).pixels
+
+
+def square_crop(image: bytes | Image.Image, resolution: int, flip: bool = False, draft: bool = True) -> Crop:
+    """`square_pixels`, with the image's size and the crop's offsets in the resized image."""
     pixels, (width, height), reduction = rgb_tensor(image, resolution, draft)
     new_width, new_height = resized_size(width, height, resolution)
     # CenterCrop's offsets in the resized image, rounded as torchvision rounds them.
@@ -102,7 +125,8 @@ def square_pixels(
     pixels = pixels[:, top : top + resolution, left : left + resolution]
     # Contiguous (CHW) as the models expect: a channels-last batch takes other convolution kernels,
     # whose results depend on the batch size (`convert latents` on 1 and 2 workers then differ).
-    return (pixels.flip(-1) if flip else pixels).contiguous()
+    pixels = (pixels.flip(-1) if flip else pixels).contiguous()
+    return Crop(pixels, (height, width), crop_top_left(top, left, new_width, resolution, flip))
 
 
 class SquareTransform:

@@ -78,8 +78,9 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
 def place_unsharded(model: torch.nn.Module, device: torch.device) -> None:
     """Move the children FSDP leaves alone (`_fsdp_wrap = False`: the frozen VAE and text encoder) to
     `device`. Under FSDP, Composer moves only the modules it wraps (composer/distributed/
-    dist_strategy.py skips the others and the Trainer skips `module_to_device`), so these stayed on
-    the CPU and the first caption dropout failed on the GPU (found by `make gpu-check`)."""
+    dist_strategy.py skips the others and the Trainer skips `module_to_device`): left alone they
+    stay on the CPU, and the first caption dropout, which runs the text encoder on the GPU batch,
+    fails with a device mismatch."""
     for child in model.children():
         if getattr(child, "_fsdp_wrap", True) is False:
             child.to(device)
@@ -120,11 +121,18 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
     batch_size = plan.per_device_batch
     model = build(**run.model)
     multiple = _size_multiple(run.model["preset"])
-    train_loader = build_image_caption_dataloader(run.data.train, model.tokenizer, batch_size, multiple)
+    # What an SDXL model reads besides the image and tokens (data/image_caption.py); SD: nothing.
+    extra = dict(
+        tokenizer_2=getattr(model, "tokenizer_2", None),
+        micro_conditioning=getattr(model, "micro_conditioning", False),
+    )
+    train_loader = build_image_caption_dataloader(
+        run.data.train, model.tokenizer, batch_size, multiple, **extra
+    )
     eval_loader = None
     if run.data.eval is not None:
         eval_loader = build_image_caption_dataloader(
-            run.data.eval, model.tokenizer, batch_size, multiple, "eval"
+            run.data.eval, model.tokenizer, batch_size, multiple, "eval", **extra
         )
         # Each new DataLoader iterator draws its workers' base seed from `generator`, else from the
         # global torch RNG; Composer starts one for every evaluation and spins the eval loader once at

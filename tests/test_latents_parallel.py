@@ -208,6 +208,7 @@ def test_an_image_that_does_not_decode_is_skipped(tmp_path):
     good = [encode(photo(40, 32, seed=i)) for i in range(3)]
     rows = [
         {"image": data, "caption": f"c{i}", "width": 40, "height": 32, "key": f"k{i}"}
+        | {"original_width": 40, "original_height": 32}
         for i, data in enumerate(good)
     ]
     rows[1]["image"] = good[1][: len(good[1]) // 2]  # truncated after the source's header check
