@@ -90,6 +90,16 @@ def test_the_sd2_base_recipe_plans_on_8_to_256_gpus_unchanged(capsys):
     assert "microbatch: at most 32 (trainer.device_train_microbatch_size)" in out
 
 
+def test_the_sdxl_base_recipe_plans_on_8_to_256_gpus(capsys):
+    """SDXL's recipe (global batch 2048, microbatch cap 4) on 8-256 GPUs: no error row."""
+    main([str(REPO / "yamls/sdxl-base.yaml"), "--gpus", *map(str, GPUS), "--img-per-sec-per-gpu", "10"])
+    out = capsys.readouterr().out
+    assert "error" not in out
+    rows = [line.split() for line in out.splitlines()]
+    table = {row[0]: row[1:4] for row in rows if row and row[0] in {str(n) for n in GPUS}}
+    assert table == {str(n): [str(2048 // n), "4", str(2048 // n // 4)] for n in GPUS}
+
+
 def test_an_error_row_has_no_days_or_cost_and_the_planner_exits_1(sd2_yaml, capsys):
     args = [str(sd2_yaml), "--img-per-sec-per-gpu", "137.5", "--gpus", "8", "24"]
     with pytest.raises(SystemExit) as exit_:
