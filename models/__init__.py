@@ -2,6 +2,7 @@
 
 from models.autoencoder import Autoencoder, build_autoencoder
 from models.build import build_model
+from models.mmdit import RectifiedFlowTransformer
 from models.presets import PRESETS
 from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import StableDiffusion
@@ -21,4 +22,14 @@ def build(preset: str, **options):
     return MODELS[preset](preset, **options)
 
 
-__all__ = ["MODELS", "PRESETS", "Autoencoder", "StableDiffusion", "StableDiffusionXL", "build", "build_autoencoder", "build_model"]
+__all__ = [
+    "MODELS",
+    "PRESETS",
+    "Autoencoder",
+    "RectifiedFlowTransformer",
+    "StableDiffusion",
+    "StableDiffusionXL",
+    "build",
+    "build_autoencoder",
+    "build_model",
+]

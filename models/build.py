@@ -6,15 +6,28 @@ import re
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from diffusers import (
+    AutoencoderKL,
+    DDPMScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    UNet2DConditionModel,
+)
+from transformers import (
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
 
 from compat.diffusers import AttnProcessor
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
-from models.presets import PRESETS, build_components, family
+from models.mmdit import RectifiedFlowTransformer
+from models.presets import PRESETS, build_components, denoiser_name, family
+from models.sdxl import StableDiffusionXL
 from models.sharding import GRANULARITIES
 from models.sharding import configure as configure_sharding
-from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import StableDiffusion
 from models.tokenizer import build_tokenizer
 
@@ -27,11 +40,28 @@ COMPONENTS = {
     "text_encoder": ("text_encoder", CLIPTextModel),
     "tokenizer": ("tokenizer", CLIPTokenizer),
     "scheduler": ("scheduler", DDPMScheduler),
-    # SDXL's second text encoder and its tokenizer: named with their first ones (see _sdxl_pairs).
+    # SDXL's and SD3's second text encoder and its tokenizer: named with their first ones (_partners).
     "text_encoder_2": ("text_encoder_2", CLIPTextModelWithProjection),
     "tokenizer_2": ("tokenizer_2", CLIPTokenizer),
+    # SD3's (family "mmdit"): the transformer in place of the UNet, and the optional T5 encoder with its
+    # tokenizer (each loads the other: _partners).
+    "transformer": ("transformer", SD3Transformer2DModel),
+    "text_encoder_3": ("text_encoder_3", T5EncoderModel),
+    "tokenizer_3": ("tokenizer_3", T5TokenizerFast),
 }
-MODEL_CLASSES = {"sd": StableDiffusion, "sdxl": StableDiffusionXL}
+# Where a family's folder holds another class under the same name: SD3's CLIP ViT-L keeps its
+# projection (its pooled output conditions the transformer), and its scheduler is a flow-matching one.
+FAMILY_CLASSES = {
+    "mmdit": {"text_encoder": CLIPTextModelWithProjection, "scheduler": FlowMatchEulerDiscreteScheduler},
+}
+# The components only some families have.
+FAMILY_COMPONENTS = {
+    "sd": {"unet", "vae", "text_encoder", "tokenizer", "scheduler"},
+    "sdxl": {"unet", "vae", "text_encoder", "tokenizer", "scheduler", "text_encoder_2", "tokenizer_2"},
+    "mmdit": {"transformer", "vae", "text_encoder", "tokenizer", "scheduler", "text_encoder_2", "tokenizer_2"}
+    | {"text_encoder_3", "tokenizer_3"},
+}
+MODEL_CLASSES = {"sd": StableDiffusion, "sdxl": StableDiffusionXL, "mmdit": RectifiedFlowTransformer}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -45,8 +75,10 @@ def _check_source(pretrained: str) -> None:
     raise FileNotFoundError(f"model.pretrained={pretrained}: no such folder (and not a hub id like org/name)")
 
 
-def _load_component(name: str, pretrained: str):
+def _load_component(name: str, pretrained: str, preset: str | None = None):
     subfolder, cls = COMPONENTS[name]
+    if preset is not None:
+        cls = FAMILY_CLASSES.get(family(preset), {}).get(name, cls)
     local = Path(pretrained).expanduser()
     if local.exists() and not (local / subfolder).is_dir():
         raise FileNotFoundError(f"model.pretrained={pretrained} has no '{subfolder}/' folder for the {name}")
@@ -54,14 +86,20 @@ def _load_component(name: str, pretrained: str):
     return cls.from_pretrained(source, subfolder=subfolder)
 
 
-def _sdxl_pairs(preset: str, components) -> list[str]:
-    """`components` with text_encoder_2 / tokenizer_2 added for an SDXL preset wherever text_encoder /
-    tokenizer is named: a diffusers SDXL folder holds both, and one without the other mixes models."""
+def _partners(preset: str, components) -> list[str]:
+    """`components` with the parts that must come from the same folder as a named one added: for an
+    SDXL or SD3 preset text_encoder_2 / tokenizer_2 wherever text_encoder / tokenizer is named (a
+    diffusers folder holds both, and one without the other mixes models); for SD3, T5's encoder and
+    tokenizer with each other (ids of one tokenizer mean nothing to another's encoder)."""
     names = list(components)
-    if family(preset) == "sdxl":
-        for first in ("text_encoder", "tokenizer"):
-            if first in names and f"{first}_2" not in names:
-                names.append(f"{first}_2")
+    pairs = []
+    if family(preset) in ("sdxl", "mmdit"):
+        pairs += [("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2")]
+    if family(preset) == "mmdit":
+        pairs += [("text_encoder_3", "tokenizer_3"), ("tokenizer_3", "text_encoder_3")]
+    for first, partner in pairs:
+        if first in names and partner not in names:
+            names.append(partner)
     return names
 
 
@@ -69,36 +107,60 @@ def _tokenizers(preset: str) -> dict:
     """The bundled BPE tokenizer(s) of a preset, each with its padding (models/tokenizer.py)."""
     spec = PRESETS[preset]
     tokenizers = {"tokenizer": build_tokenizer(pad_token=spec.get("pad_token", "!"))}
-    if family(preset) == "sdxl":
+    if family(preset) in ("sdxl", "mmdit"):
         tokenizers["tokenizer_2"] = build_tokenizer(pad_token=spec["pad_token_2"])
     return tokenizers
 
 
 def build_encoders(preset: str, pretrained: str | None = None) -> dict:
-    """{vae, text_encoder, tokenizer} of `preset` (and text_encoder_2, tokenizer_2 for SDXL): loaded
-    from `pretrained` (a diffusers folder or hub id), else with the preset's random weights. No UNet:
-    what encoding a data set needs (`sd-convert latents`), without the seconds and 3.5 GB a random
-    sd2 UNet costs."""
+    """{vae, text_encoder, tokenizer} of `preset` (and text_encoder_2, tokenizer_2 for SDXL and SD3):
+    loaded from `pretrained` (a diffusers folder or hub id), else with the preset's random weights. No
+    UNet or transformer: what encoding a data set needs (`sd-convert latents`), without the seconds
+    and 3.5 GB a random sd2 UNet costs. (SD3's optional T5 is not among them.)"""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
-    names = _sdxl_pairs(preset, ("vae", "text_encoder", "tokenizer"))
+    names = _partners(preset, ("vae", "text_encoder", "tokenizer"))
     if pretrained is not None:
         _check_source(pretrained)
-        return {name: _load_component(name, pretrained) for name in names}
-    parts = build_components(preset, skip=("unet", "noise_scheduler"))
+        return {name: _load_component(name, pretrained, preset) for name in names}
+    parts = build_components(preset, skip=("unet", "transformer", "noise_scheduler"))
     parts.pop("latent_scale")
+    parts.pop("latent_shift", None)
     return {**parts, **_tokenizers(preset)}
+
+
+# The options of each objective, with their defaults: a preset of the other family refuses them.
+DDPM_OPTIONS = dict(prediction_type=None, offset_noise=0.0, min_snr_gamma=None, zero_terminal_snr=False)
+FLOW_OPTIONS = dict(timestep_mean=0.0, timestep_std=1.0, timestep_shift=1.0, loss_weighting=None)
+
+
+def _check_family_options(preset: str, given: dict) -> None:
+    """A DDPM option on an mmdit preset (or a rectified-flow one on a UNet preset) is an error naming
+    it, not silently ignored."""
+    foreign = DDPM_OPTIONS if family(preset) == "mmdit" else FLOW_OPTIONS
+    objective = "DDPM" if family(preset) == "mmdit" else "rectified-flow"
+    trains = "rectified flow" if family(preset) == "mmdit" else "the DDPM objective"
+    for key, default in foreign.items():
+        if given[key] != default:
+            raise ValueError(
+                f"model.{key} is a {objective} option; preset {preset!r} (family {family(preset)}) "
+                f"trains {trains}"
+            )
 
 
 def build_model(
     preset: str,
     *,
     pretrained: str | None = None,
-    pretrained_components: tuple[str, ...] | list[str] = ("unet", "vae", "text_encoder", "tokenizer"),
+    pretrained_components: tuple[str, ...] | list[str] | None = None,
     prediction_type: str | None = None,
     offset_noise: float = 0.0,
     min_snr_gamma: float | None = None,
     zero_terminal_snr: bool = False,
+    timestep_mean: float = 0.0,
+    timestep_std: float = 1.0,
+    timestep_shift: float | str = 1.0,
+    loss_weighting: str | None = None,
     caption_drop_prob: float = 0.0,
     gradient_checkpointing: bool = False,
     channels_last: bool = False,
@@ -108,43 +170,80 @@ def build_model(
     fsdp_wrap: str = "blocks",
     activation_checkpointing: str | None = None,
     lora: dict | None = None,
-) -> StableDiffusion:
-    """The ComposerModel for `preset` (a name in models.presets.PRESETS).
+) -> StableDiffusion | RectifiedFlowTransformer:
+    """The ComposerModel for `preset` (a name in models.presets.PRESETS): a StableDiffusion, a
+    StableDiffusionXL or (family "mmdit") a RectifiedFlowTransformer.
 
     pretrained: a diffusers-format folder (or hub id) to load `pretrained_components` from; the
-        others keep the preset's random initialisation. The seed recipe loads the VAE and text
-        encoder and trains the UNet from scratch: pretrained_components=[vae, text_encoder, tokenizer].
+        others keep the preset's random initialisation. Default components: the denoiser ("unet", or
+        "transformer" for an mmdit preset), "vae", "text_encoder", "tokenizer". The seed recipe loads
+        the VAE and text encoder and trains the denoiser from scratch:
+        pretrained_components=[vae, text_encoder, tokenizer] (with SDXL's and SD3's second encoder
+        and tokenizer). An SD3 folder's T5 (`text_encoder_3` or `tokenizer_3`, either loads both) is
+        used only when named: it is off by default.
     prediction_type: "epsilon" or "v_prediction"; default: the preset's (sd2-768-v: v), else epsilon.
     zero_terminal_snr: rescale the betas so the last timestep is pure noise (Lin et al. 2023);
         needs v-prediction, since epsilon is not learnable at zero SNR.
+    timestep_mean, timestep_std, timestep_shift, loss_weighting: the rectified-flow objective of an
+        mmdit preset (models/mmdit.py): logit-normal timesteps (SD3's defaults 0, 1), shifted by
+        `timestep_shift` (1: none; "auto": by sqrt(pixels / 256^2), SD3's resolution-dependent
+        shift), and an optional loss weighting (None, "sigma_sqrt", "cosmap": diffusers' names).
     attention: "sdpa" (torch scaled_dot_product_attention, diffusers' default on torch 2) or
-        "math" (the plain attention processor, for debugging or exotic devices).
-    low_precision_norms: "amp_bf16" or "amp_fp16" to run the UNet's GroupNorm/LayerNorm in that
+        "math" (the plain attention processor, for debugging or exotic devices; UNet presets only).
+    low_precision_norms: "amp_bf16" or "amp_fp16" to run the denoiser's GroupNorm/LayerNorm in that
         precision with Composer's low-precision modules (only meaningful under that AMP precision).
-    compile_unet: true to torch.compile the UNet, or a dict of torch.compile options, e.g.
-        {mode: max-autotune} or {backend: aot_eager} (no C compiler needed; what the CPU tests use).
-    fsdp_wrap, activation_checkpointing: the UNet's FSDP units ("unet", "blocks", "layers") and
-        the ones recomputed in the backward pass under FSDP (None, "blocks", "layers"); see
-        models/sharding.py.
+    compile_unet: true to torch.compile the denoiser (UNet or transformer), or a dict of torch.compile
+        options, e.g. {mode: max-autotune} or {backend: aot_eager} (no C compiler needed; what the
+        CPU tests use).
+    fsdp_wrap, activation_checkpointing: the denoiser's FSDP units ("unet": the whole network,
+        "blocks", "layers") and the ones recomputed in the backward pass under FSDP (None, "blocks",
+        "layers"); see models/sharding.py (a transformer's blocks and layers are both its
+        joint-attention blocks).
     lora: {rank, alpha, target_modules, dropout} trains a peft LoRA adapter instead of the UNet
         (models/lora.py); needs every network from `pretrained`, and checkpoints hold the adapter only.
+        UNet presets only, for now.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    kind = family(preset)
+    given = dict(
+        prediction_type=prediction_type,
+        offset_noise=offset_noise,
+        min_snr_gamma=min_snr_gamma,
+        zero_terminal_snr=zero_terminal_snr,
+        timestep_mean=timestep_mean,
+        timestep_std=timestep_std,
+        timestep_shift=timestep_shift,
+        loss_weighting=loss_weighting,
+    )
+    _check_family_options(preset, given)
+    if pretrained_components is None:
+        pretrained_components = (denoiser_name(preset), "vae", "text_encoder", "tokenizer")
     unknown = set(pretrained_components) - set(COMPONENTS)
-    if family(preset) != "sdxl":
-        unknown |= set(pretrained_components) & {"text_encoder_2", "tokenizer_2"}
+    unknown |= (set(pretrained_components) & set(COMPONENTS)) - FAMILY_COMPONENTS[kind]
     if unknown:
         raise ValueError(
-            f"pretrained_components: unknown {sorted(unknown)}; choose from {sorted(COMPONENTS)}"
+            f"pretrained_components: unknown {sorted(unknown)} for preset {preset!r}; choose from "
+            f"{sorted(FAMILY_COMPONENTS[kind])}"
         )
     if attention not in ("sdpa", "math"):
         raise ValueError(f"attention={attention!r}; choose 'sdpa' or 'math'")
+    if kind == "mmdit" and attention == "math":
+        raise ValueError(
+            "attention='math' is a UNet option: the transformer's joint attention runs sdpa only"
+        )
+    if kind == "mmdit" and lora is not None:
+        raise ValueError("model.lora trains UNet presets only for now, not an mmdit preset")
     for key, value in (("fsdp_wrap", fsdp_wrap), ("activation_checkpointing", activation_checkpointing)):
         if value is not None and value not in GRANULARITIES:
             raise ValueError(f"{key}={value!r}; choose one of {GRANULARITIES}")
 
-    pretrained_components = _sdxl_pairs(preset, pretrained_components)
+    pretrained_components = _partners(preset, pretrained_components)
+    if "text_encoder_3" in pretrained_components and pretrained is None:
+        raise ValueError(
+            "pretrained_components names text_encoder_3 (T5), which loads only from model.pretrained: "
+            "a T5 tokenizer cannot be built offline"
+        )
     if lora is not None:
         lora = check_lora_options(lora, pretrained, pretrained_components)
 
@@ -157,53 +256,62 @@ def build_model(
         _check_source(pretrained)
         for name in pretrained_components:
             key = "noise_scheduler" if name == "scheduler" else name
-            parts[key] = _load_component(name, pretrained)
+            parts[key] = _load_component(name, pretrained, preset)
             log.info("loaded %s from %s", name, pretrained)
         if "vae" in pretrained_components:  # the latent scale belongs to the VAE it was measured on
             parts["latent_scale"] = parts["vae"].config.scaling_factor
-        if "scheduler" in pretrained_components and prediction_type is None:  # e.g. SD2-768's v
-            prediction_type = parts["noise_scheduler"].config.get("prediction_type", "epsilon")
-    prediction_type = prediction_type or PRESETS[preset].get("prediction_type", "epsilon")
-    if zero_terminal_snr and prediction_type != "v_prediction":
-        raise ValueError(
-            "zero_terminal_snr needs prediction_type=v_prediction (epsilon is undefined at SNR 0)"
+            if kind == "mmdit":  # and so does SD3's shift (None in VAEs that have none)
+                parts["latent_shift"] = parts["vae"].config.get("shift_factor") or 0.0
+        if kind != "mmdit" and "scheduler" in pretrained_components and prediction_type is None:
+            prediction_type = parts["noise_scheduler"].config.get("prediction_type", "epsilon")  # SD2-768's v
+    if kind == "mmdit":
+        options = dict(
+            t5_tokens=PRESETS[preset]["t5_tokens"],
+            timestep_mean=timestep_mean,
+            timestep_std=timestep_std,
+            timestep_shift=timestep_shift,
+            loss_weighting=loss_weighting,
         )
-    if zero_terminal_snr:
-        # Lin et al. 2023: rescaled betas (the last step is pure noise) and samplers that start at
-        # that last step ("trailing" spacing); their guidance rescale is generate()'s option.
-        parts["noise_scheduler"] = DDPMScheduler.from_config(
-            parts["noise_scheduler"].config, rescale_betas_zero_snr=True, timestep_spacing="trailing"
+    else:
+        prediction_type = prediction_type or PRESETS[preset].get("prediction_type", "epsilon")
+        if zero_terminal_snr and prediction_type != "v_prediction":
+            raise ValueError(
+                "zero_terminal_snr needs prediction_type=v_prediction (epsilon is undefined at SNR 0)"
+            )
+        if zero_terminal_snr:
+            # Lin et al. 2023: rescaled betas (the last step is pure noise) and samplers that start at
+            # that last step ("trailing" spacing); their guidance rescale is generate()'s option.
+            parts["noise_scheduler"] = DDPMScheduler.from_config(
+                parts["noise_scheduler"].config, rescale_betas_zero_snr=True, timestep_spacing="trailing"
+            )
+        options = dict(
+            prediction_type=prediction_type, offset_noise=offset_noise, min_snr_gamma=min_snr_gamma
         )
 
-    unet = parts["unet"]
+    denoiser = parts[denoiser_name(preset)]
     if lora is not None:
-        add_lora(unet, **lora)
+        add_lora(denoiser, **lora)
     if attention == "math":
-        unet.set_attn_processor(AttnProcessor())
+        denoiser.set_attn_processor(AttnProcessor())
     if gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
+        denoiser.enable_gradient_checkpointing()
     if channels_last:
-        unet.to(memory_format=torch.channels_last)
+        denoiser.to(memory_format=torch.channels_last)
     if low_precision_norms is not None:
         from composer.algorithms.low_precision_groupnorm import apply_low_precision_groupnorm
         from composer.algorithms.low_precision_layernorm import apply_low_precision_layernorm
         from composer.core import Precision
 
-        apply_low_precision_groupnorm(unet, Precision(low_precision_norms))
-        apply_low_precision_layernorm(unet, Precision(low_precision_norms))
-    configure_sharding(unet, fsdp_wrap, activation_checkpointing)
+        if any(isinstance(m, torch.nn.GroupNorm) for m in denoiser.modules()):  # a transformer has none
+            apply_low_precision_groupnorm(denoiser, Precision(low_precision_norms))
+        apply_low_precision_layernorm(denoiser, Precision(low_precision_norms))
+    configure_sharding(denoiser, fsdp_wrap, activation_checkpointing)
     if compile_unet:
         # In place (nn.Module.compile), not torch.compile(unet): a wrapper would rename every
         # weight to `_orig_mod.*` in checkpoints, EMA and export.
-        unet.compile(**(compile_unet if isinstance(compile_unet, dict) else {}))
+        denoiser.compile(**(compile_unet if isinstance(compile_unet, dict) else {}))
 
-    model = MODEL_CLASSES[family(preset)](
-        prediction_type=prediction_type,
-        offset_noise=offset_noise,
-        min_snr_gamma=min_snr_gamma,
-        caption_drop_prob=caption_drop_prob,
-        **parts,
-    )
+    model = MODEL_CLASSES[kind](caption_drop_prob=caption_drop_prob, **options, **parts)
     if lora is not None:
         model.register_state_dict_post_hook(drop_frozen_weights)
     # For the checkpoint's model record (models/record.py).

@@ -2,12 +2,15 @@
 
     python -m models.flops --preset sd2-base --resolution 256 512 [--images-per-sec 120 --gpu h100]
 
-FLOPs are counted by `torch.utils.flop_counter.FlopCounterMode` over one UNet forward + backward, the
-trained part of a step, with models built on the meta device: no memory, no compute, about a second
-even for sd2-base. The counter covers matmuls, convolutions and attention (the usual MFU convention);
-norms and elementwise ops are left out. The frozen VAE encoder and text encoder also run forward every
-step; `frozen_flops_per_image` counts them, separately, since MFU conventionally counts only the
-model being trained.
+FLOPs are counted by `torch.utils.flop_counter.FlopCounterMode` over one forward + backward of the
+denoiser (the UNet, or an mmdit preset's joint-attention transformer), the trained part of a step,
+with models built on the meta device: no memory, no compute, about a second even for sd2-base. The
+counter covers matmuls, convolutions and attention (the usual MFU convention); norms and elementwise
+ops are left out. A transformer attends jointly over its image patches and its text context (77 CLIP
+tokens and the preset's `t5_tokens` T5 ones, zeros or not): both streams' projections and MLPs and the
+attention over both count. The frozen VAE encoder and text encoders also run forward every step;
+`frozen_flops_per_image` counts them, separately, since MFU conventionally counts only the model
+being trained.
 """
 
 import argparse
@@ -16,10 +19,10 @@ import json
 import logging
 
 import torch
-from diffusers import UNet2DConditionModel
+from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.presets import PRESETS, build_components
+from models.presets import PRESETS, build_components, denoiser_factor, denoiser_name, family, vae_factor
 
 log = logging.getLogger(__name__)
 
@@ -34,21 +37,24 @@ PEAK_BF16_FLOPS = {
 }
 
 
-def _vae_factor(preset: str) -> int:
-    return 2 ** (len(PRESETS[preset]["vae"]["block_out_channels"]) - 1)
+def context_length(preset: str) -> int:
+    """Text tokens the denoiser attends to: CLIP's 77, and an mmdit preset's T5 part after them."""
+    return CONTEXT_LENGTH + PRESETS[preset].get("t5_tokens", 0)
 
 
 def latent_size(preset: str, resolution: int) -> int:
-    """The side of the latents for square images of `resolution` pixels, checked to fit the UNet."""
+    """The side of the latents for square images of `resolution` pixels, checked to fit the denoiser."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
-    factor = _vae_factor(preset)
-    # Each UNet down block but the last halves the latents; the up path must find the same sizes.
-    unet_factor = 2 ** (len(PRESETS[preset]["unet"]["block_out_channels"]) - 1)
-    if resolution <= 0 or resolution % (factor * unet_factor):
+    factor = vae_factor(preset)
+    # Each UNet down block but the last halves the latents, and the up path must find the same sizes;
+    # a transformer cuts the latents into patches.
+    inner = denoiser_factor(preset)
+    what = "patch size" if family(preset) == "mmdit" else "UNet factor"
+    if resolution <= 0 or resolution % (factor * inner):
         raise ValueError(
             f"resolution {resolution} for preset {preset!r} must be a positive multiple of "
-            f"{factor * unet_factor} (VAE factor {factor} x UNet factor {unet_factor})"
+            f"{factor * inner} (VAE factor {factor} x {what} {inner})"
         )
     return resolution // factor
 
@@ -74,7 +80,10 @@ def _unet_step_flops(unet, height: int, width: int, context_length: int) -> floa
         extra = {}
         if unet.config.addition_embed_type == "text_time":  # SDXL: pooled text + 6 micro-conditioning sizes
             time_ids = 6
-            pooled = unet.config.projection_class_embeddings_input_dim - time_ids * unet.config.addition_time_embed_dim
+            pooled = (
+                unet.config.projection_class_embeddings_input_dim
+                - time_ids * unet.config.addition_time_embed_dim
+            )
             extra["added_cond_kwargs"] = {
                 "text_embeds": torch.randn(_BATCH, pooled),
                 "time_ids": torch.randn(_BATCH, time_ids),
@@ -87,11 +96,35 @@ def _unet_step_flops(unet, height: int, width: int, context_length: int) -> floa
     return _count(step) / _BATCH
 
 
+def _transformer_step_flops(transformer, height: int, width: int, context_length: int) -> float:
+    """FLOPs of one forward + backward of a meta-device SD3 `transformer`, per image of height x width
+    latents and a joint-attention context of `context_length` tokens."""
+    config = transformer.config
+    with torch.device("meta"):
+        latents = torch.randn(_BATCH, config.in_channels, height, width)
+        context = torch.randn(_BATCH, context_length, config.joint_attention_dim)
+        pooled = torch.randn(_BATCH, config.pooled_projection_dim)
+        timesteps = torch.rand(_BATCH) * 1000
+
+    def step():
+        out = transformer(
+            hidden_states=latents,
+            timestep=timesteps,
+            encoder_hidden_states=context,
+            pooled_projections=pooled,
+        ).sample
+        out.float().pow(2).mean().backward()
+
+    return _count(step) / _BATCH
+
+
 @functools.cache
 def training_flops_per_image(preset: str, resolution: int) -> float:
-    """FLOPs of the UNet forward + backward for one image of `resolution` x `resolution` pixels."""
+    """FLOPs of the denoiser's forward + backward for one image of `resolution` x `resolution` pixels."""
     side = latent_size(preset, resolution)
-    flops = _unet_step_flops(_meta_components(preset)["unet"], side, side, CONTEXT_LENGTH)
+    denoiser = _meta_components(preset)[denoiser_name(preset)]
+    step = _transformer_step_flops if family(preset) == "mmdit" else _unet_step_flops
+    flops = step(denoiser, side, side, context_length(preset))
     log.info("%s at %d px (%dx%d latents): %.4g FLOP per image", preset, resolution, side, side, flops)
     return flops
 
@@ -124,12 +157,43 @@ def _cached_unet_training_flops(config_json: str, height: int, width: int, conte
     return flops
 
 
+def transformer_training_flops(transformer_config, height: int, width: int, context_length: int) -> float:
+    """`unet_training_flops` for an SD3 transformer (its diffusers config), latents of height x width
+    and a joint-attention context of `context_length` tokens; counted once per argument set, then
+    cached (what `RectifiedFlowTransformer.flops_per_batch` calls every batch)."""
+    return _cached_transformer_training_flops(
+        json.dumps(dict(transformer_config), sort_keys=True, default=str),
+        int(height),
+        int(width),
+        int(context_length),
+    )
+
+
+@functools.cache
+def _cached_transformer_training_flops(
+    config_json: str, height: int, width: int, context_length: int
+) -> float:
+    with torch.device("meta"):
+        transformer = SD3Transformer2DModel.from_config(json.loads(config_json))
+    flops = _transformer_step_flops(transformer, height, width, context_length)
+    log.info(
+        "transformer at %dx%d latents, %d context tokens: %.4g training FLOP per image",
+        height,
+        width,
+        context_length,
+        flops,
+    )
+    return flops
+
+
 @functools.cache
 def frozen_flops_per_image(preset: str, resolution: int) -> float:
-    """FLOPs of the frozen forwards a training step also runs: VAE encoder + text encoder."""
+    """FLOPs of the frozen forwards a training step also runs: VAE encoder + text encoder(s) (SDXL's
+    and SD3's second CLIP too; not SD3's optional T5, off by default)."""
     latent_size(preset, resolution)  # the same checks
     components = _meta_components(preset)
-    vae, text_encoder = components["vae"], components["text_encoder"]
+    vae = components["vae"]
+    encoders = [components[name] for name in ("text_encoder", "text_encoder_2") if name in components]
     with torch.device("meta"):
         images = torch.randn(_BATCH, vae.config.in_channels, resolution, resolution)
         input_ids = torch.zeros(_BATCH, CONTEXT_LENGTH, dtype=torch.long)
@@ -137,7 +201,8 @@ def frozen_flops_per_image(preset: str, resolution: int) -> float:
     def forward():
         with torch.no_grad():
             vae.encode(images).latent_dist.sample()
-            text_encoder(input_ids)
+            for text_encoder in encoders:
+                text_encoder(input_ids)
 
     return _count(forward) / _BATCH
 
@@ -175,9 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     for resolution in args.resolution:
         train = training_flops_per_image(args.preset, resolution)
         frozen = frozen_flops_per_image(args.preset, resolution)
+        name = "transformer" if family(args.preset) == "mmdit" else "UNet"
         line = (
-            f"{args.preset} {resolution} px: UNet fwd+bwd {train / 1e12:.4g} TFLOP/image, "
-            f"frozen VAE encoder + text encoder fwd {frozen / 1e12:.4g} TFLOP/image"
+            f"{args.preset} {resolution} px: {name} fwd+bwd {train / 1e12:.4g} TFLOP/image, "
+            f"frozen VAE encoder + text encoders fwd {frozen / 1e12:.4g} TFLOP/image"
         )
         if args.images_per_sec is not None:
             line += f", MFU {mfu(args.images_per_sec, train, peak_flops):.1%}"

@@ -1,4 +1,5 @@
-"""Which parts of the UNet FSDP shards as its own unit, and which it recomputes in the backward pass.
+"""Which parts of the denoiser (the UNet, or an mmdit preset's transformer) FSDP shards as its own
+unit, and which it recomputes in the backward pass.
 
 Composer's FSDP (composer/distributed/dist_strategy.py) wraps each child of the ComposerModel whose
 `_fsdp_wrap` is not False (here only the UNet) and asks that child's `fsdp_wrap_fn(module)` which
@@ -14,10 +15,17 @@ Units, from coarse to fine:
   layers  each ResNet block and each transformer (attention) block (~60 on SD2): smaller units,
           more collectives (38 units on SD2: 22 ResNet, 16 transformer); for memory pressure at high
           resolution.
+
+A transformer (diffusers' SD3Transformer2DModel: models/mmdit.py) is a stack of identical joint-
+attention blocks, so "blocks" and "layers" both make one unit per block (24 on sd3-medium, 84 M
+parameters each): a block is the natural unit (the next one is gathered while this one computes,
+and a recomputed block is one attention and two MLPs). Finer units (a block's attention, its MLPs)
+would leave each block's adaptive-norm projections (14 M per stream) in the root unit, gathered for
+the whole step. "unet" keeps its name for the whole network (the recipes' key), whichever it is.
 """
 
 import torch
-from diffusers import Transformer2DModel
+from diffusers import SD3Transformer2DModel, Transformer2DModel
 
 from compat.diffusers import ResnetBlock2D
 
@@ -25,11 +33,13 @@ GRANULARITIES = ("unet", "blocks", "layers")
 
 
 def units(unet: torch.nn.Module, granularity: str) -> list[torch.nn.Module]:
-    """The UNet's submodules at `granularity` (empty for "unet": the root is the only unit)."""
+    """The denoiser's submodules at `granularity` (empty for "unet": the root is the only unit)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"{granularity!r} is not one of {GRANULARITIES}")
     if granularity == "unet":
         return []
+    if isinstance(unet, SD3Transformer2DModel):
+        return list(unet.transformer_blocks)
     if granularity == "blocks":
         return [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
     return [m for m in unet.modules() if isinstance(m, ResnetBlock2D | Transformer2DModel)]
@@ -46,7 +56,8 @@ class _Members:
 
 
 def configure(unet: torch.nn.Module, fsdp_wrap: str = "blocks", activation_checkpointing: str | None = None):
-    """Set `unet.fsdp_wrap_fn` and `unet.activation_checkpointing_fn` for Composer's FSDP.
+    """Set `unet.fsdp_wrap_fn` and `unet.activation_checkpointing_fn` for Composer's FSDP (`unet`:
+    the denoiser, a UNet or a transformer).
 
     activation_checkpointing: None, "blocks" or "layers": the units recomputed in the backward pass
     (takes effect under FSDP with `activation_checkpointing: true` in its config; without FSDP use

@@ -107,6 +107,12 @@ class StableDiffusion(ComposerModel):
         return self
 
     @property
+    def denoiser(self) -> torch.nn.Module:
+        """The trained network, whatever the family calls it (here the UNet; an mmdit model's
+        transformer): for code that handles every family (export, EMA, sharding checks)."""
+        return self.unet
+
+    @property
     def zero_terminal_snr(self) -> bool:
         return bool(self.noise_scheduler.config.get("rescale_betas_zero_snr", False))
 

@@ -17,9 +17,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from compat.composer import mlflow_run_id
-from data.buckets import size_multiple
 from data.loader import build_image_caption_dataloader
-from models import PRESETS, StableDiffusion, build
+from models import StableDiffusion, build
+from models.presets import size_multiple
 from models.record import ModelRecord, describe
 from recipes.callbacks import IsolateEvalRng, RestoreRngOnResume
 from recipes.checkpointing import install_atomic_checkpoint_writes
@@ -98,8 +98,7 @@ def _flat(params: dict, prefix: str = "") -> dict:
 
 def _size_multiple(preset: str) -> int:
     """What image sizes must be multiples of for this preset (aspect-ratio buckets)."""
-    spec = PRESETS[preset.removesuffix("-vae")]
-    return size_multiple(spec["vae"]["block_out_channels"], spec["unet"]["block_out_channels"])
+    return size_multiple(preset.removesuffix("-vae"))
 
 
 def _plan(run: RunConfig, world_size: int):

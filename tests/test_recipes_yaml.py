@@ -39,9 +39,20 @@ REQUIRED = {
         "model.pretrained=/models/sdxl",
         "trainer.save_folder=/ckpt-xl",
     ],
-    "sdxl-finetune": ["data.train.local=/data/mds", "model.pretrained=/models/sdxl", "trainer.save_folder=/ft"],
+    "sdxl-finetune": [
+        "data.train.local=/data/mds",
+        "model.pretrained=/models/sdxl",
+        "trainer.save_folder=/ft",
+    ],
     "sdxl-lora": ["data.train.local=/data/mds", "model.pretrained=/models/sdxl", "trainer.save_folder=/lora"],
+    "sd3-medium": [
+        "data.train.remote=s3://bucket/mds",
+        "model.pretrained=/models/sd3",
+        "trainer.save_folder=/ckpt-sd3",
+    ],
+    "sd3-finetune": ["data.train.local=/data/mds", "model.pretrained=/models/sd3", "trainer.save_folder=/ft"],
     "tiny-cpu": [],
+    "tiny-mmdit-cpu": [],
     "tiny-sdxl-cpu": [],
     "tiny-vae": [],
 }

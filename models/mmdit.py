@@ -1,0 +1,465 @@
+"""A rectified-flow MMDiT, SD3-style (Esser et al. 2024, "Scaling Rectified Flow Transformers for
+High-Resolution Image Synthesis"): the ComposerModel of the "mmdit" presets (models/presets.py).
+
+Built from diffusers' components under their names in a StableDiffusion3Pipeline folder, so that an
+export loads there: `transformer` (SD3Transformer2DModel, the part that trains), `vae` (an AutoencoderKL
+with a shift as well as a scale), `text_encoder` (CLIP ViT-L/14) and `text_encoder_2` (OpenCLIP
+ViT-bigG/14), both CLIPTextModelWithProjection, with `tokenizer` and `tokenizer_2`, optionally
+`text_encoder_3` (T5) with `tokenizer_3`, and `noise_scheduler` (FlowMatchEulerDiscreteScheduler, the
+sampler). The family-independent parts (VAE moments, per-sample validation seeds, caption-dropout
+draws, metrics) are StableDiffusion's own functions, not copies.
+
+The objective (rectified flow; the paper's sections 2 and 3.1):
+    x0 = (a sample of the VAE posterior - latent_shift) * latent_scale
+    t = s u / (1 + (s - 1) u),  u = sigmoid(timestep_mean + timestep_std * n),  n ~ N(0, 1)
+    x_t = (1 - t) x0 + t noise,   the transformer gets x_t and timestep 1000 t,
+    target = noise - x0 (the velocity dx_t/dt),   loss = mean over samples of w(t) x MSE.
+The timesteps are logit-normal (the paper's lognorm(m, s), eq. 19; its best, and SD3's, is m = 0,
+s = 1: more samples in the middle of the path, where the velocity is hardest to predict), then
+shifted by s = `timestep_shift` (eq. 23): s > 1 moves them towards noise, which a higher resolution
+needs since its pixels are more redundant and keep more signal at the same noise level. "auto" takes
+the paper's s = sqrt(m / n) with n = 256^2 pixels, the resolution the schedule was designed at, and m
+the batch's pixels: 1 at 256 px, 2 at 512 px, 4 at 1024 px (SD3 samples at 1024 px with 3.0, which
+its human-preference study preferred; that is the sd3-medium scheduler's `shift`). Timestep 1000 t is
+diffusers' SD3 convention (sigmas x num_train_timesteps), what the pipeline's sampler passes.
+`loss_weighting` is None (SD3's: the logit-normal sampling already is the weighting), or diffusers'
+"sigma_sqrt" (w = t^-2) or "cosmap" (w = 2 / (pi (1 - 2t + 2t^2))), as its SD3 training script has them.
+
+Conditioning is what StableDiffusion3Pipeline.encode_prompt computes from the same encoders: both
+CLIPs' penultimate hidden states side by side (768 + 1280 = 2048 wide for SD3), zero-padded to the
+transformer's joint_attention_dim (4096), then the T5 part on the sequence axis: T5's embeddings of
+`t5_tokens` tokens, or, with T5 off (the default), that many tokens of zeros, as the pipeline makes
+them without a `text_encoder_3`. So the pipeline must be called with max_sequence_length=t5_tokens
+(77 for sd3-medium): the zero tokens are not nothing, the context embedder turns them into its bias,
+which the image attends to. The pooled vector is both CLIPs' projected outputs side by side (2048).
+
+Caption dropout replaces a sample's context and pooled vector by those of the empty caption "": what
+the pipeline uses when no negative prompt is given, and what `generate`'s unconditional branch uses,
+so guidance pushes away from what training dropped to, and an export samples the same image. (SD3
+drops each of its three encoders independently, at 46.4% each, so that T5 can be left off at
+inference; with T5 off by default, dropping all together is the plain classifier-free-guidance
+dropout.)
+
+Batch keys: `image` (or `latents`: the VAE moments, as `sd-convert latents` stores them), and either
+`input_ids` + `input_ids_2` (+ `input_ids_3`, T5's ids, with T5) or the precomputed `text_embeds`
+(B, 77, 768 + 1280: the CLIP part, unpadded, as SDXL stores it: a quarter of the padded context) +
+`pooled_text_embeds` (B, 2048) (+ `text_embeds_3` (B, t5_tokens, 4096) with T5).
+
+Training draws its latent samples, caption dropout, noise and timesteps from the global RNG;
+validation (`eval_forward`) draws the latent sample, noise and timestep of each sample from a
+generator seeded by its content (StableDiffusion.eval_seeds), so a checkpoint's validation loss is
+the same number every time.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from composer.models import ComposerModel
+from diffusers import FlowMatchEulerDiscreteScheduler
+from torchmetrics import MeanSquaredError
+
+from compat.diffusers import DiagonalGaussianDistribution
+from models.flops import transformer_training_flops
+from models.stable_diffusion import StableDiffusion
+from models.tokenizer import tokenize
+
+LOSS_WEIGHTINGS = (None, "sigma_sqrt", "cosmap")
+BASE_PIXELS = 256 * 256  # the resolution `timestep_shift: auto` shifts relative to (eq. 23's n)
+
+
+def shift_timesteps(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """s t / (1 + (s - 1) t): the paper's eq. 23, and FlowMatchEulerDiscreteScheduler's `shift`."""
+    return shift * t / (1 + (shift - 1) * t)
+
+
+def resolution_shift(height: int, width: int) -> float:
+    """sqrt(pixels / 256^2): the shift that keeps an image of height x width pixels as uncertain at a
+    timestep as a 256 px one (eq. 23 with n = 256^2)."""
+    return math.sqrt(height * width / BASE_PIXELS)
+
+
+def loss_weights(t: torch.Tensor, weighting: str | None) -> torch.Tensor:
+    """Per-sample loss weights at noise levels `t`, as diffusers' compute_loss_weighting_for_sd3."""
+    if weighting is None:
+        return torch.ones_like(t)
+    if weighting == "sigma_sqrt":
+        return t**-2.0
+    if weighting == "cosmap":
+        return 2 / (math.pi * (1 - 2 * t + 2 * t**2))
+    raise ValueError(f"loss_weighting={weighting!r}; choose one of {LOSS_WEIGHTINGS}")
+
+
+def seeded_flow_draws(seeds: list[int], latent_shape, device) -> dict[str, torch.Tensor]:
+    """Per sample, from a CPU generator seeded with its seed (so the same on any device): the
+    posterior's standard normal `latent`, the `noise`, and the standard normal `normal` that the
+    logit-normal timestep is made of, drawn in that order."""
+    draws = {"latent": [], "noise": [], "normal": []}
+    for seed in seeds:
+        generator = torch.Generator().manual_seed(seed)
+        draws["latent"].append(torch.randn(latent_shape, generator=generator))
+        draws["noise"].append(torch.randn(latent_shape, generator=generator))
+        draws["normal"].append(torch.randn((), generator=generator))
+    return {name: torch.stack(values).to(device) for name, values in draws.items()}
+
+
+class RectifiedFlowTransformer(ComposerModel):
+    """`transformer` trains; the VAE and text encoders are frozen and stay in eval mode.
+
+    Objective options (see the module docstring): timestep_mean, timestep_std (the logit-normal's,
+    SD3's 0 and 1), timestep_shift (a number, 1 = none, or "auto": by resolution), loss_weighting
+    (None, "sigma_sqrt", "cosmap"), caption_drop_prob (replaces a sample's condition by the empty
+    caption's, which trains the unconditional branch classifier-free guidance needs; SD3: 0.1 in
+    effect for the CLIPs together).
+
+    t5_tokens: the length of the T5 part of the context, zeros when there is no `text_encoder_3`.
+    `eval_seed` seeds validation's random draws.
+    """
+
+    eval_seed: int = 0
+    micro_conditioning = False  # no SDXL size conditioning: the data loader hands over no sizes
+    prediction_type = "flow_prediction"  # diffusers' name for the velocity target, noise - x0
+    zero_terminal_snr = False
+    default_guidance_rescale = 0.0
+
+    # StableDiffusion's family-independent functions (they read only the VAE, the eval seed, the
+    # caption-dropout probability, the metric and `_diffuse`).
+    forward = StableDiffusion.forward
+    vae_moments = StableDiffusion.vae_moments
+    vae_scale_factor = StableDiffusion.vae_scale_factor
+    _drop_mask = StableDiffusion._drop_mask
+    eval_forward = StableDiffusion.eval_forward
+    eval_seeds = StableDiffusion.eval_seeds
+    get_metrics = StableDiffusion.get_metrics
+    update_metric = StableDiffusion.update_metric
+
+    def __init__(
+        self,
+        transformer,
+        vae,
+        text_encoder,
+        tokenizer,
+        noise_scheduler,
+        *,
+        text_encoder_2,
+        tokenizer_2,
+        latent_scale: float,
+        t5_tokens: int,
+        latent_shift: float = 0.0,
+        text_encoder_3=None,
+        tokenizer_3=None,
+        timestep_mean: float = 0.0,
+        timestep_std: float = 1.0,
+        timestep_shift: float | str = 1.0,
+        loss_weighting: str | None = None,
+        caption_drop_prob: float = 0.0,
+    ):
+        super().__init__()
+        if not 0.0 <= caption_drop_prob <= 1.0:
+            raise ValueError(f"caption_drop_prob must be in [0, 1], not {caption_drop_prob}")
+        if not timestep_std > 0:
+            raise ValueError(f"timestep_std must be positive, not {timestep_std}")
+        if timestep_shift != "auto" and (
+            isinstance(timestep_shift, bool | str) or not float(timestep_shift) > 0
+        ):
+            raise ValueError(f"timestep_shift must be a positive number or 'auto', not {timestep_shift!r}")
+        if loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting={loss_weighting!r}; choose one of {LOSS_WEIGHTINGS}")
+        if (text_encoder_3 is None) != (tokenizer_3 is None):
+            raise ValueError("text_encoder_3 (T5) and tokenizer_3 come together: give both or neither")
+        if not isinstance(noise_scheduler, FlowMatchEulerDiscreteScheduler):
+            raise TypeError(
+                "an mmdit model samples with FlowMatchEulerDiscreteScheduler, not "
+                f"{type(noise_scheduler).__name__}"
+            )
+        if noise_scheduler.config.get("use_dynamic_shifting"):
+            raise ValueError(
+                "a scheduler with use_dynamic_shifting (Flux's) is not supported: give it a fixed shift"
+            )
+        config = transformer.config
+        clip_width = text_encoder.config.hidden_size + text_encoder_2.config.hidden_size
+        pooled_width = text_encoder.config.projection_dim + text_encoder_2.config.projection_dim
+        if clip_width > config.joint_attention_dim or pooled_width != config.pooled_projection_dim:
+            raise ValueError(
+                f"the text encoders give {clip_width} context and {pooled_width} pooled channels; the "
+                f"transformer takes up to {config.joint_attention_dim} and exactly "
+                f"{config.pooled_projection_dim}"
+            )
+        self.transformer = transformer
+        self.vae = vae.requires_grad_(False).eval()
+        self.text_encoder = text_encoder.requires_grad_(False).eval()
+        self.text_encoder_2 = text_encoder_2.requires_grad_(False).eval()
+        self.text_encoder_3 = None if text_encoder_3 is None else text_encoder_3.requires_grad_(False).eval()
+        self.tokenizer, self.tokenizer_2, self.tokenizer_3 = tokenizer, tokenizer_2, tokenizer_3
+        self.noise_scheduler = noise_scheduler
+        # Buffers, so checkpoints carry them: a VAE trained here has its own scale (models/autoencoder.py).
+        self.register_buffer("latent_scale", torch.tensor(float(latent_scale)))
+        self.register_buffer("latent_shift", torch.tensor(float(latent_shift or 0.0)))
+        self.t5_tokens = int(t5_tokens)
+        self.timestep_mean, self.timestep_std = float(timestep_mean), float(timestep_std)
+        self.timestep_shift = timestep_shift if timestep_shift == "auto" else float(timestep_shift)
+        self.loss_weighting = loss_weighting
+        self.caption_drop_prob = caption_drop_prob
+        self.val_mse = MeanSquaredError()
+        self._empty: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Sharding only the transformer: the frozen parts have no gradients or optimizer state.
+        self.transformer._fsdp_wrap = True
+        for frozen in (self.vae, self.text_encoder, self.text_encoder_2, self.text_encoder_3):
+            if frozen is not None:
+                frozen._fsdp_wrap = False
+
+    def train(self, mode: bool = True):
+        # Composer toggles train()/eval() on the whole model; the frozen parts must never leave eval.
+        super().train(mode)
+        for frozen in (self.vae, self.text_encoder, self.text_encoder_2, self.text_encoder_3):
+            if frozen is not None:
+                frozen.eval()
+        return self
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        """The trained network (StableDiffusion's is its UNet)."""
+        return self.transformer
+
+    # -- latents ---------------------------------------------------------------------------------
+    def scale_latents(self, sample: torch.Tensor) -> torch.Tensor:
+        """A VAE latent sample -> what the transformer models: (sample - shift) * scale."""
+        return (sample - self.latent_shift) * self.latent_scale
+
+    def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse, what the VAE decodes: latents / scale + shift (as the SD3 pipeline decodes)."""
+        return latents / self.latent_scale + self.latent_shift
+
+    def sample_latents(self, moments: torch.Tensor) -> torch.Tensor:
+        return self.scale_latents(DiagonalGaussianDistribution(moments.float()).sample())
+
+    # -- conditioning ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_clip(
+        self, input_ids: torch.Tensor, input_ids_2: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(clip (B, 77, D1 + D2), pooled (B, P1 + P2)): both CLIPs' penultimate hidden states side by
+        side, unpadded, and their projected pooled outputs side by side."""
+        first = self.text_encoder(input_ids, output_hidden_states=True)
+        second = self.text_encoder_2(input_ids_2, output_hidden_states=True)
+        clip = torch.cat([first.hidden_states[-2], second.hidden_states[-2]], dim=-1)
+        return clip, torch.cat([first.text_embeds, second.text_embeds], dim=-1)
+
+    @torch.no_grad()
+    def encode_t5(self, input_ids_3: torch.Tensor) -> torch.Tensor:
+        """T5's last hidden states (B, t5_tokens, D3)."""
+        return self.text_encoder_3(input_ids_3)[0]
+
+    def joint_context(self, clip: torch.Tensor, t5: torch.Tensor | None = None) -> torch.Tensor:
+        """The transformer's context (B, 77 + t5_tokens, joint_attention_dim): the CLIP part zero-padded
+        to the joint width, then T5's part, or zeros without T5 (as the SD3 pipeline assembles it)."""
+        width = self.transformer.config.joint_attention_dim
+        if t5 is None:
+            if self.text_encoder_3 is not None:
+                raise ValueError(
+                    "this model reads T5 (text_encoder_3): the batch needs input_ids_3 or text_embeds_3"
+                )
+            t5 = clip.new_zeros(clip.shape[0], self.t5_tokens, width)
+        return torch.cat([F.pad(clip, (0, width - clip.shape[-1])), t5.to(clip.dtype)], dim=1)
+
+    def encode_text(self, input_ids, input_ids_2, input_ids_3=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(context, pooled) of token ids, as StableDiffusion3Pipeline.encode_prompt makes them."""
+        clip, pooled = self.encode_clip(input_ids, input_ids_2)
+        t5 = None
+        if self.text_encoder_3 is not None:
+            if input_ids_3 is None:
+                raise ValueError("this model reads T5 (text_encoder_3): the batch needs input_ids_3")
+            t5 = self.encode_t5(input_ids_3)
+        return self.joint_context(clip, t5), pooled
+
+    def tokenize_t5(self, captions: list[str]) -> torch.Tensor:
+        """T5 token ids (B, t5_tokens), as the SD3 pipeline tokenizes with max_sequence_length=t5_tokens."""
+        return self.tokenizer_3(
+            captions,
+            padding="max_length",
+            max_length=self.t5_tokens,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        ).input_ids
+
+    def encode_captions(self, captions: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = tokenize(self.tokenizer, captions).to(device)
+        ids_2 = tokenize(self.tokenizer_2, captions).to(device)
+        ids_3 = None if self.tokenizer_3 is None else self.tokenize_t5(captions).to(device)
+        return self.encode_text(ids, ids_2, ids_3)
+
+    def empty_condition(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(context (1, L, W), pooled (1, P)) of the empty caption: what a dropped caption becomes and
+        the unconditional branch's condition. The encoders are frozen, so it is encoded once per
+        device (and again after load_state_dict)."""
+        device = torch.device(device)
+        if device not in self._empty:
+            self._empty[device] = self.encode_captions([""], device)
+        return self._empty[device]
+
+    def load_state_dict(self, *args, **kwargs):
+        self._empty.clear()  # the text encoders' weights may change
+        return super().load_state_dict(*args, **kwargs)
+
+    def condition(self, batch, drop_captions: bool, image_size: tuple[int, int] | None = None) -> dict:
+        """The transformer's keyword arguments besides the noisy latents and timesteps:
+        `encoder_hidden_states` (the joint context) and `pooled_projections`, from token ids or
+        precomputed embeddings, with caption dropout when `drop_captions` (training only)."""
+        if "text_embeds" in batch:
+            t5 = batch.get("text_embeds_3")
+            context = self.joint_context(batch["text_embeds"].float(), None if t5 is None else t5.float())
+            pooled = batch["pooled_text_embeds"].float()
+        else:
+            context, pooled = self.encode_text(
+                batch["input_ids"], batch["input_ids_2"], batch.get("input_ids_3")
+            )
+        if drop_captions:
+            drop = self._drop_mask(context.shape[0], context.device)
+            # No `if drop.any()`: that would wait for the GPU every step to save two cheap where()s.
+            empty_context, empty_pooled = self.empty_condition(context.device)
+            context = torch.where(drop[:, None, None], empty_context.to(context.dtype), context)
+            pooled = torch.where(drop[:, None], empty_pooled.to(pooled.dtype), pooled)
+        return {"encoder_hidden_states": context, "pooled_projections": pooled}
+
+    # -- training --------------------------------------------------------------------------------
+    def shift_for(self, image_size: tuple[int, int]) -> float:
+        """The timestep shift for images of `image_size` (height, width) pixels."""
+        return resolution_shift(*image_size) if self.timestep_shift == "auto" else self.timestep_shift
+
+    def sample_timesteps(self, normal: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        """Noise levels t in (0, 1) from standard normal draws: logit-normal, then shifted."""
+        t = torch.sigmoid(self.timestep_mean + self.timestep_std * normal.float())
+        return shift_timesteps(t, self.shift_for(image_size))
+
+    def _diffuse(self, batch, seeds: list[int] | None = None):
+        """(prediction, target, t) of the rectified-flow objective; the random draws come from the
+        global RNG, or with `seeds` (one per sample) from `seeded_flow_draws`, with no caption dropout."""
+        moments = batch["latents"] if "latents" in batch else self.vae_moments(batch["image"])
+        image_size = (moments.shape[-2] * self.vae_scale_factor, moments.shape[-1] * self.vae_scale_factor)
+        if seeds is None:
+            latents = self.sample_latents(moments)
+            condition = self.condition(batch, True, image_size)
+            noise = torch.randn_like(latents)
+            normal = torch.randn(latents.shape[0], device=latents.device)
+        else:
+            posterior = DiagonalGaussianDistribution(moments.float())
+            draws = seeded_flow_draws(seeds, posterior.mean.shape[1:], moments.device)
+            latents = self.scale_latents(posterior.mean + posterior.std * draws["latent"])
+            condition = self.condition(batch, False, image_size)
+            noise, normal = draws["noise"], draws["normal"]
+        t = self.sample_timesteps(normal, image_size)
+        sigma = t[:, None, None, None]
+        noisy = (1 - sigma) * latents + sigma * noise
+        timesteps = t * self.noise_scheduler.config.num_train_timesteps
+        prediction = self.transformer(hidden_states=noisy, timestep=timesteps, **condition).sample
+        return prediction, noise - latents, t
+
+    def loss(self, outputs, batch):
+        prediction, target, t = outputs
+        per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        if self.loss_weighting is None:
+            return per_sample.mean()
+        return (per_sample * loss_weights(t.float(), self.loss_weighting)).mean()
+
+    # -- throughput ------------------------------------------------------------------------------
+    def flops_per_batch(self, batch) -> float:
+        """Transformer forward + backward FLOPs of a training batch (models/flops.py: patch embedding,
+        both streams' projections and MLPs, joint attention), for Composer's SpeedMonitor and MFU;
+        as StableDiffusion.flops_per_batch, the frozen encoders are left out."""
+        if "latents" in batch:
+            n, _, height, width = batch["latents"].shape
+        else:
+            n, _, height, width = batch["image"].shape
+            height, width = height // self.vae_scale_factor, width // self.vae_scale_factor
+        clip_tokens = (batch["text_embeds"] if "text_embeds" in batch else batch["input_ids"]).shape[1]
+        context = clip_tokens + self.t5_tokens
+        return n * transformer_training_flops(self.transformer.config, height, width, context)
+
+    # -- sampling --------------------------------------------------------------------------------
+    def prompt_condition(
+        self, prompts: list[str], negative_prompt: str | None, image_size=None, device=None
+    ) -> dict:
+        """The transformer's conditioning for a guided batch: the negative prompt's (or the empty
+        caption's, the pipeline's default) for each prompt first, then the prompts'. Each is encoded on
+        its own, as StableDiffusion3Pipeline.encode_prompt does."""
+        context, pooled = self.encode_captions(list(prompts), device)
+        negative, negative_pooled = self.encode_captions([negative_prompt or ""] * len(prompts), device)
+        return {
+            "encoder_hidden_states": torch.cat([negative, context]),
+            "pooled_projections": torch.cat([negative_pooled, pooled]),
+        }
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str],
+        negative_prompt: str | None = None,
+        guidance_scale: float = 5.0,
+        num_inference_steps: int = 25,
+        height: int | None = None,
+        width: int | None = None,
+        seed: int = 0,
+        sampler: str | None = None,
+        seeds: list[int] | None = None,
+        guidance_rescale: float | None = None,
+    ) -> torch.Tensor:
+        """Images for `prompts` as a float tensor (B, 3, H, W) in [0, 1]: Euler steps of the flow from
+        noise (FlowMatchEulerDiscreteScheduler with `noise_scheduler`'s shift) with classifier-free
+        guidance, the steps StableDiffusion3Pipeline takes.
+
+        The initial noise comes from a CPU generator seeded with `seed` (or one per prompt with
+        `seeds`), so the same seed gives the same image on any device, and the pipeline given
+        `generator=torch.Generator().manual_seed(seed)` (a list of them for `seeds`),
+        max_sequence_length=t5_tokens and no negative prompt draws the same one. A guidance scale of 1
+        or less runs the conditional branch alone, as the pipeline does. `sampler` is "euler" (or None
+        for it), the one sampler of a flow; `guidance_rescale` (a DDPM sampler's option) must be 0 or
+        None. Height and width must be multiples of the VAE's factor x the patch size.
+        """
+        if sampler not in (None, "euler"):
+            raise ValueError(
+                f"sampler={sampler!r}: an mmdit model samples with flow-matching Euler steps ('euler')"
+            )
+        if guidance_rescale:
+            raise ValueError(
+                "guidance_rescale is not an option of flow sampling (StableDiffusion3Pipeline has none)"
+            )
+        device = next(self.transformer.parameters()).device
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.noise_scheduler.config)
+        scheduler.set_timesteps(num_inference_steps, device=device)
+        factor = self.vae_scale_factor
+        height = height or self.transformer.config.sample_size * factor
+        width = width or self.transformer.config.sample_size * factor
+        multiple = factor * self.transformer.config.patch_size
+        if height % multiple or width % multiple:
+            raise ValueError(f"height and width must be multiples of {multiple}, got {height} x {width}")
+
+        n = len(prompts)
+        guided = guidance_scale > 1
+        condition = self.prompt_condition(list(prompts), negative_prompt, (height, width), device)
+        if not guided:
+            condition = {key: value[n:] for key, value in condition.items()}
+        shape = (n, self.transformer.config.in_channels, height // factor, width // factor)
+        if seeds is None:
+            noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        elif len(seeds) != n:
+            raise ValueError(f"give one seed per prompt: {len(seeds)} seeds for {n} prompts")
+        else:
+            noise = torch.stack(
+                [torch.randn(shape[1:], generator=torch.Generator().manual_seed(s)) for s in seeds]
+            )
+        latents = noise.to(device, condition["encoder_hidden_states"].dtype)
+        was_training = self.transformer.training
+        self.transformer.eval()
+        for t in scheduler.timesteps:
+            model_in = torch.cat([latents, latents]) if guided else latents
+            velocity = self.transformer(
+                hidden_states=model_in, timestep=t.expand(model_in.shape[0]), **condition
+            ).sample
+            if guided:
+                uncond, cond = velocity.chunk(2)
+                velocity = uncond + guidance_scale * (cond - uncond)
+            latents = scheduler.step(velocity, t, latents).prev_sample
+        self.transformer.train(was_training)
+        images = self.vae.decode(self.unscale_latents(latents)).sample
+        return (images.float() / 2 + 0.5).clamp(0, 1)
