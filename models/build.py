@@ -206,7 +206,7 @@ def build_model(
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     kind = family(preset)
-    given = dict(
+    objective = dict(
         prediction_type=prediction_type,
         offset_noise=offset_noise,
         min_snr_gamma=min_snr_gamma,
@@ -216,9 +216,49 @@ def build_model(
         timestep_shift=timestep_shift,
         loss_weighting=loss_weighting,
     )
-    _check_family_options(preset, given)
+    _check_family_options(preset, objective)
     if pretrained_components is None:
         pretrained_components = (denoiser_name(preset), "vae", "text_encoder", "tokenizer")
+    _check_switches(preset, pretrained_components, attention, lora, fsdp_wrap, activation_checkpointing)
+    pretrained_components = _partners(preset, pretrained_components)
+    if "text_encoder_3" in pretrained_components and pretrained is None:
+        raise ValueError(
+            "pretrained_components names text_encoder_3 (T5), which loads only from model.pretrained: "
+            "a T5 tokenizer cannot be built offline"
+        )
+    if lora is not None:
+        lora = check_lora_options(lora, pretrained, pretrained_components)
+
+    parts = _parts(preset, pretrained, pretrained_components)
+    options = _objective(preset, parts, pretrained_components if pretrained else (), objective)
+    denoiser = parts[denoiser_name(preset)]
+    if lora is not None:
+        add_lora(denoiser, **lora)
+    _speed_switches(denoiser, attention, gradient_checkpointing, channels_last, low_precision_norms)
+    configure_sharding(denoiser, fsdp_wrap, activation_checkpointing)
+    if compile_unet:
+        # In place (nn.Module.compile), not torch.compile(unet): a wrapper would rename every
+        # weight to `_orig_mod.*` in checkpoints, EMA and export.
+        denoiser.compile(**(compile_unet if isinstance(compile_unet, dict) else {}))
+
+    model = MODEL_CLASSES[kind](caption_drop_prob=caption_drop_prob, **options, **parts)
+    if lora is not None:
+        model.register_state_dict_post_hook(drop_frozen_weights)
+    # For the checkpoint's model record (models/record.py).
+    model.preset = preset
+    model.tokenizer_source = pretrained if pretrained and "tokenizer" in pretrained_components else None
+    model.pretrained = (
+        {"source": pretrained, "components": list(pretrained_components)} if pretrained else None
+    )
+    model.lora = lora
+    return model
+
+
+def _check_switches(
+    preset, pretrained_components, attention, lora, fsdp_wrap, activation_checkpointing
+) -> None:
+    """Errors naming the option for components and switches this preset's family does not have."""
+    kind = family(preset)
     unknown = set(pretrained_components) - set(COMPONENTS)
     unknown |= (set(pretrained_components) & set(COMPONENTS)) - FAMILY_COMPONENTS[kind]
     if unknown:
@@ -238,59 +278,60 @@ def build_model(
         if value is not None and value not in GRANULARITIES:
             raise ValueError(f"{key}={value!r}; choose one of {GRANULARITIES}")
 
-    pretrained_components = _partners(preset, pretrained_components)
-    if "text_encoder_3" in pretrained_components and pretrained is None:
-        raise ValueError(
-            "pretrained_components names text_encoder_3 (T5), which loads only from model.pretrained: "
-            "a T5 tokenizer cannot be built offline"
-        )
-    if lora is not None:
-        lora = check_lora_options(lora, pretrained, pretrained_components)
 
+def _parts(preset: str, pretrained: str | None, pretrained_components: list[str]) -> dict:
+    """The model's components: `pretrained_components` loaded from `pretrained`, the rest built with
+    the preset's random weights (and the bundled tokenizers), with the latent scale (and SD3's shift)
+    of the VAE in use."""
     # Components about to be loaded are not built (a random sd2 UNet takes seconds and 3.5 GB).
     loaded = [("noise_scheduler" if name == "scheduler" else name) for name in pretrained_components]
     parts = build_components(preset, skip=loaded if pretrained is not None else ())
     if pretrained is None or "tokenizer" not in pretrained_components:
         parts.update(_tokenizers(preset))
-    if pretrained is not None:
-        _check_source(pretrained)
-        for name in pretrained_components:
-            key = "noise_scheduler" if name == "scheduler" else name
-            parts[key] = _load_component(name, pretrained, preset)
-            log.info("loaded %s from %s", name, pretrained)
-        if "vae" in pretrained_components:  # the latent scale belongs to the VAE it was measured on
-            parts["latent_scale"] = parts["vae"].config.scaling_factor
-            if kind == "mmdit":  # and so does SD3's shift (None in VAEs that have none)
-                parts["latent_shift"] = parts["vae"].config.get("shift_factor") or 0.0
-        if kind != "mmdit" and "scheduler" in pretrained_components and prediction_type is None:
-            prediction_type = parts["noise_scheduler"].config.get("prediction_type", "epsilon")  # SD2-768's v
-    if kind == "mmdit":
-        options = dict(
-            t5_tokens=PRESETS[preset]["t5_tokens"],
-            timestep_mean=timestep_mean,
-            timestep_std=timestep_std,
-            timestep_shift=timestep_shift,
-            loss_weighting=loss_weighting,
-        )
-    else:
-        prediction_type = prediction_type or PRESETS[preset].get("prediction_type", "epsilon")
-        if zero_terminal_snr and prediction_type != "v_prediction":
+    if pretrained is None:
+        return parts
+    _check_source(pretrained)
+    for name in pretrained_components:
+        key = "noise_scheduler" if name == "scheduler" else name
+        parts[key] = _load_component(name, pretrained, preset)
+        log.info("loaded %s from %s", name, pretrained)
+    if "vae" in pretrained_components:  # the latent scale belongs to the VAE it was measured on
+        parts["latent_scale"] = parts["vae"].config.scaling_factor
+        if family(preset) == "mmdit":  # and so does SD3's shift (None in VAEs that have none)
+            parts["latent_shift"] = parts["vae"].config.get("shift_factor") or 0.0
+    return parts
+
+
+def _objective(preset: str, parts: dict, loaded, objective: dict) -> dict:
+    """The model class's objective keywords: rectified flow's for an mmdit preset; else the DDPM
+    prediction type (given, else a loaded scheduler's, else the preset's), offset noise and min-SNR,
+    with the scheduler rescaled in `parts` for zero-terminal SNR."""
+    if family(preset) == "mmdit":
+        flow = {key: objective[key] for key in FLOW_OPTIONS}
+        return dict(t5_tokens=PRESETS[preset]["t5_tokens"], **flow)
+    prediction_type = objective["prediction_type"]
+    if "scheduler" in loaded and prediction_type is None:  # e.g. SD2-768's v
+        prediction_type = parts["noise_scheduler"].config.get("prediction_type", "epsilon")
+    prediction_type = prediction_type or PRESETS[preset].get("prediction_type", "epsilon")
+    if objective["zero_terminal_snr"]:
+        if prediction_type != "v_prediction":
             raise ValueError(
                 "zero_terminal_snr needs prediction_type=v_prediction (epsilon is undefined at SNR 0)"
             )
-        if zero_terminal_snr:
-            # Lin et al. 2023: rescaled betas (the last step is pure noise) and samplers that start at
-            # that last step ("trailing" spacing); their guidance rescale is generate()'s option.
-            parts["noise_scheduler"] = DDPMScheduler.from_config(
-                parts["noise_scheduler"].config, rescale_betas_zero_snr=True, timestep_spacing="trailing"
-            )
-        options = dict(
-            prediction_type=prediction_type, offset_noise=offset_noise, min_snr_gamma=min_snr_gamma
+        # Lin et al. 2023: rescaled betas (the last step is pure noise) and samplers that start at
+        # that last step ("trailing" spacing); their guidance rescale is generate()'s option.
+        parts["noise_scheduler"] = DDPMScheduler.from_config(
+            parts["noise_scheduler"].config, rescale_betas_zero_snr=True, timestep_spacing="trailing"
         )
+    return dict(
+        prediction_type=prediction_type,
+        offset_noise=objective["offset_noise"],
+        min_snr_gamma=objective["min_snr_gamma"],
+    )
 
-    denoiser = parts[denoiser_name(preset)]
-    if lora is not None:
-        add_lora(denoiser, **lora)
+
+def _speed_switches(denoiser, attention, gradient_checkpointing, channels_last, low_precision_norms):
+    """The denoiser's speed and memory switches (build_model's docstring says what each does)."""
     if attention == "math":
         denoiser.set_attn_processor(AttnProcessor())
     if gradient_checkpointing:
@@ -305,20 +346,3 @@ def build_model(
         if any(isinstance(m, torch.nn.GroupNorm) for m in denoiser.modules()):  # a transformer has none
             apply_low_precision_groupnorm(denoiser, Precision(low_precision_norms))
         apply_low_precision_layernorm(denoiser, Precision(low_precision_norms))
-    configure_sharding(denoiser, fsdp_wrap, activation_checkpointing)
-    if compile_unet:
-        # In place (nn.Module.compile), not torch.compile(unet): a wrapper would rename every
-        # weight to `_orig_mod.*` in checkpoints, EMA and export.
-        denoiser.compile(**(compile_unet if isinstance(compile_unet, dict) else {}))
-
-    model = MODEL_CLASSES[kind](caption_drop_prob=caption_drop_prob, **options, **parts)
-    if lora is not None:
-        model.register_state_dict_post_hook(drop_frozen_weights)
-    # For the checkpoint's model record (models/record.py).
-    model.preset = preset
-    model.tokenizer_source = pretrained if pretrained and "tokenizer" in pretrained_components else None
-    model.pretrained = (
-        {"source": pretrained, "components": list(pretrained_components)} if pretrained else None
-    )
-    model.lora = lora
-    return model
