@@ -254,42 +254,15 @@ def convert(
     job = Job(store, columns, options, digest, Path(work_dir or default_work_dir(out)), write_rows)
     started = time.monotonic()
     with contextlib.ExitStack() as held:
-        plan: dict | str | None = None
-        if group.rank == 0:
-            try:
-                store.check()
-                held.enter_context(store.lock())
-                claim(store, record(source, src, settings or {}, options, columns, digest, names), overwrite)
-                plan = _plan(store, names, digest)
-            except ConvertError as err:
-                if group.world == 1:
-                    raise
-                plan = str(err)
-        plan = group.broadcast(plan)
-        if isinstance(plan, str):
-            raise ConvertError(plan)
-        done = plan
+        identity = record(source, src, settings or {}, options, columns, digest, names)
+        done = _claim(group, store, held, identity, names, digest, overwrite)
         todo = [p for p in parts if p.name not in done]
         mine = share(todo, group.rank, group.world)
         log.info(
             "%d inputs, %d already done, %d to convert%s -> %s", len(parts), len(done), len(todo),
             f" ({len(mine)} by rank {group.rank} of {group.world})" if group.world > 1 else "", store.url,
         )  # fmt: skip
-        sizes = [p.size for p in mine]
-        total = sum(sizes) if None not in sizes else None
-        failed, this_run, fatal = {}, [], None
-        bar = tqdm(total=total, unit="sample", desc="convert", disable=not progress, smoothing=0.1)
-        try:
-            for name, marker, error in run_parts(mine, job, workers, bar):
-                if error is not None:
-                    failed[name] = error
-                    log.warning("input %s failed and will be retried by the next run: %s", name, error)
-                else:
-                    this_run.append(marker)
-        except ConvertError as err:
-            fatal = err
-        finally:
-            bar.close()
+        failed, this_run, fatal = _convert_inputs(mine, job, workers, progress)
         results = group.gather((failed, this_run, None if fatal is None else str(fatal)))
         failed = {name: error for ranks_failed, _, _ in results for name, error in ranks_failed.items()}
         this_run = [marker for _, ranks_markers, _ in results for marker in ranks_markers]
@@ -300,29 +273,78 @@ def convert(
             args = (source, src, store.url, options, parts, done, failed, this_run)
             return build_report(*args, time.monotonic() - started, error=error)
 
-        final: dict | str | None = None
-        if group.rank == 0:
-            try:
-                if errors:
-                    try:  # best effort: the store may be what failed
-                        store.write_bytes(REPORT, json.dumps(report(errors[0]), indent=2).encode())
-                    except ConvertError:
-                        pass
-                else:
-                    merge_indexes(store, [done[n] for n in names if n in done], job.work_dir)
-                    final = report()
-                    store.write_bytes(REPORT, json.dumps(final, indent=2).encode())
-            except ConvertError as err:
-                if group.world == 1:
-                    raise
-                final = str(err)
-        final = group.broadcast(final)
+        final = _finish(group, store, job, [done[n] for n in names if n in done], errors, report)
     if fatal is not None:
         raise fatal
     if errors or isinstance(final, str):
         raise ConvertError(errors[0] if errors else final)
     _prune_empty(job.work_dir)
     return final
+
+
+def _claim(group: Group, store, held, identity: dict, names: list[str], digest: str, overwrite: bool) -> dict:
+    """Rank 0 checks the output, takes its lock (held until `held` closes), claims it for this
+    conversion and reads which inputs are done; every rank gets those markers (or rank 0's error)."""
+    plan: dict | str | None = None
+    if group.rank == 0:
+        try:
+            store.check()
+            held.enter_context(store.lock())
+            claim(store, identity, overwrite)
+            plan = _plan(store, names, digest)
+        except ConvertError as err:
+            if group.world == 1:
+                raise
+            plan = str(err)
+    plan = group.broadcast(plan)
+    if isinstance(plan, str):
+        raise ConvertError(plan)
+    return plan
+
+
+def _convert_inputs(mine: list[Part], job: Job, workers: int, progress: bool):
+    """(failed {input: error}, markers written, a fatal ConvertError or None) of this rank's inputs,
+    with a progress bar over their samples."""
+    sizes = [p.size for p in mine]
+    total = sum(sizes) if None not in sizes else None
+    failed, this_run, fatal = {}, [], None
+    bar = tqdm(total=total, unit="sample", desc="convert", disable=not progress, smoothing=0.1)
+    try:
+        for name, marker, error in run_parts(mine, job, workers, bar):
+            if error is not None:
+                failed[name] = error
+                log.warning("input %s failed and will be retried by the next run: %s", name, error)
+            else:
+                this_run.append(marker)
+    except ConvertError as err:
+        fatal = err
+    finally:
+        bar.close()
+    return failed, this_run, fatal
+
+
+def _finish(
+    group: Group, store, job: Job, markers: list[dict], errors: list[str], report
+) -> dict | str | None:
+    """Rank 0 merges the index of the done inputs and writes the report (only the report, best
+    effort, when a rank failed); every rank gets the report, or rank 0's error as a string."""
+    final: dict | str | None = None
+    if group.rank == 0:
+        try:
+            if errors:
+                try:  # best effort: the store may be what failed
+                    store.write_bytes(REPORT, json.dumps(report(errors[0]), indent=2).encode())
+                except ConvertError:
+                    pass
+            else:
+                merge_indexes(store, markers, job.work_dir)
+                final = report()
+                store.write_bytes(REPORT, json.dumps(final, indent=2).encode())
+        except ConvertError as err:
+            if group.world == 1:
+                raise
+            final = str(err)
+    return group.broadcast(final)
 
 
 def _prune_empty(folder: Path) -> None:
