@@ -66,8 +66,18 @@ def _ratios(text: str) -> tuple[float, ...]:
 
 
 def _common() -> argparse.ArgumentParser:
+    """The options every image source shares, in their help groups."""
     common = argparse.ArgumentParser(add_help=False)
-    run = common.add_argument_group("output and run")
+    _run_options(common.add_argument_group("output and run"))
+    _image_options(common.add_argument_group("images"))
+    _filter_options(
+        common.add_argument_group("filters (a sample lacking the value is skipped when its filter is set)")
+    )
+    _mds_options(common.add_argument_group("MDS output"))
+    return common
+
+
+def _run_options(run) -> None:
     run.add_argument(
         "--out", required=True, help="output folder, or s3://bucket/prefix (any S3-compatible endpoint)"
     )
@@ -84,7 +94,9 @@ def _common() -> argparse.ArgumentParser:
         "--no-progress", action="store_true", help="no progress bar (the summary line still prints)"
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log every skipped sample and its reason")
-    img = common.add_argument_group("images")
+
+
+def _image_options(img) -> None:
     img.add_argument(
         "--resize-max",
         type=_positive,
@@ -117,7 +129,9 @@ def _common() -> argparse.ArgumentParser:
         help="header: images kept as they are get a header and end-of-file check (catches truncation); "
         "decode: fully decode every image too (slower, also catches corrupt data) (default header)",
     )
-    flt = common.add_argument_group("filters (a sample lacking the value is skipped when its filter is set)")
+
+
+def _filter_options(flt) -> None:
     flt.add_argument(
         "--min-side", type=int, default=0, help="skip images whose shorter side is below this (pixels)"
     )
@@ -134,7 +148,9 @@ def _common() -> argparse.ArgumentParser:
         action="store_true",
         help="keep samples whose caption is empty (default: skip them)",
     )
-    mds = common.add_argument_group("MDS output")
+
+
+def _mds_options(mds) -> None:
     mds.add_argument(
         "--buckets",
         type=_ratios,
@@ -151,7 +167,6 @@ def _common() -> argparse.ArgumentParser:
     mds.add_argument(
         "--shard-size", type=_positive, default=1 << 26, help="MDS shard size limit in bytes (default 64 MiB)"
     )
-    return common
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,7 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="source", required=True, metavar="SOURCE", help="one of:")
-    common = _common()
+    _image_sources(sub, _common())
+    _latents_parser(sub)
+    return parser
+
+
+def _image_sources(sub, common: argparse.ArgumentParser) -> None:
+    """One sub-command per image source: the common options, --src and the source's own."""
 
     def add(name: str, src_help: str) -> argparse._ArgumentGroup:
         p = sub.add_parser(name, parents=[common], help=SOURCES[name], description=SOURCES[name])
@@ -203,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--per-caption", action="store_true", help="one row per caption instead of one per image")
     g.add_argument("--part-size", type=_positive, default=5_000, help="images per input (default 5000)")
+
+
+def _latents_parser(sub) -> None:
     lat = sub.add_parser(
         "latents",
         help=SOURCES["latents"],
@@ -237,7 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     lat.add_argument("--no-progress", action="store_true", help="no progress bar")
     lat.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    return parser
 
 
 LATENTS_DESCRIPTION = """Run the frozen VAE and text encoder over an MDS image-caption set once and write
