@@ -246,6 +246,13 @@ def _latents_parser(sub) -> None:
     )
     lat.add_argument("--batch-size", type=_positive, default=16, help="images per forward pass (default 16)")
     lat.add_argument(
+        "--t5",
+        action="store_true",
+        help="an mmdit preset (sd3-medium): also store T5's context (text_embeds_3) from --pretrained's "
+        "text_encoder_3/; train with model.pretrained_components naming text_encoder_3 (default: off, "
+        "as the recipes train)",
+    )
+    lat.add_argument(
         "--device",
         help="torch device (default: with GPUs, one per process: cuda:i for the i-th; else cpu)",
     )

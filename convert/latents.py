@@ -6,14 +6,20 @@ Training on these skips the VAE and text encoder, about 1.4x faster for SD2 (mos
 An SDXL preset (family "sdxl") writes what its UNet reads besides, as training on the
 images computes it (data/image_caption.py, models/sdxl.py): `text_embeds` (77, 2048) from both
 encoders, `pooled_text_embeds` (1280,) fp16, `original_size` (height, width) and per resolution
-`crop_top_left_{R}` (top, left) int64 (data/latents.py reads them back).
+`crop_top_left_{R}` (top, left) int64 (data/latents.py reads them back). An mmdit preset (family
+"mmdit", models/mmdit.py) writes what RectifiedFlowTransformer reads instead of token ids, through its
+own `encode_clip` and `encode_t5`: `text_embeds` (77, 768 + 1280 for sd3-medium), both CLIPs' context
+unpadded, `pooled_text_embeds` (2048,) both pooled vectors, and, when the `--pretrained` folder has a
+T5 (`text_encoder_3/` and `tokenizer_3/`), `text_embeds_3` (t5_tokens, 4096) fp16; its `latents_{R}`
+are the 16-channel VAE's moments, unscaled and unshifted (the model applies latent_shift and
+latent_scale).
 
 Runs on convert.pipeline like the image converters: one input per input of the source, read from
 its index.json (`<src>/[<bucket>/]NAME/`, or each shard of a flat set), written to the same place
 under --out, with completion markers, restarts and a merged index.json, locally or to S3; in
 `--workers N` processes and/or the ranks of `composer -n N`, each on its own GPU when there are any.
 A bucketed source (`sd-convert --buckets`) keeps its buckets, each encoded at its own size
-(data/buckets.py: about R^2 pixels, multiples of the VAE x UNet downsampling), so a bucket's
+(data/buckets.py: about R^2 pixels, multiples of the VAE x denoiser downsampling), so a bucket's
 `latents_{R}` is (8, h/f, w/f) for its (h, w); without buckets, R x R as training crops it.
 """
 
@@ -34,11 +40,12 @@ from PIL import Image
 
 from convert.common import ConvertError, Part, Skipped
 from convert.latents_source import source_parts
-from data.buckets import bucket_crop, bucket_ratio, bucket_size, cover_crop, size_multiple
+from data.buckets import bucket_crop, bucket_ratio, bucket_size, cover_crop
 from data.image_caption import original_size
 from data.latents import crop_column, latents_column
 from data.transforms import Crop
-from models.presets import PRESETS, family
+from models.mmdit import RectifiedFlowTransformer
+from models.presets import PRESETS, family, size_multiple
 from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import StableDiffusion
 from models.tokenizer import tokenize
@@ -52,13 +59,29 @@ def is_sdxl(preset: str) -> bool:
     return family(preset) == "sdxl"
 
 
-def columns(resolutions: list[int], sdxl: bool = False) -> dict[str, str]:
+def columns(
+    resolutions: list[int], sdxl: bool = False, *, pooled: bool = False, t5: bool = False
+) -> dict[str, str]:
+    """The written columns: `sdxl` adds SDXL's pooled vector and micro-conditioning, `pooled` the
+    pooled vector alone (an mmdit preset's), `t5` T5's context `text_embeds_3`."""
     cols = {"caption": "str", "key": "str", "text_embeds": "ndarray:float16"}
     cols.update({latents_column(r): "ndarray:float16" for r in resolutions})
+    if sdxl or pooled:
+        cols["pooled_text_embeds"] = "ndarray:float16"
     if sdxl:
-        cols.update({"pooled_text_embeds": "ndarray:float16", "original_size": "ndarray:int64"})
+        cols["original_size"] = "ndarray:int64"
         cols.update({crop_column(r): "ndarray:int64" for r in resolutions})
+    if t5:
+        cols["text_embeds_3"] = "ndarray:float16"
     return cols
+
+
+def preset_columns(preset: str, resolutions: list[int], t5: bool = False) -> dict[str, str]:
+    """The columns `preset`'s family stores (`t5`: an mmdit preset's T5 context too)."""
+    kind = family(preset)
+    if t5 and kind != "mmdit":
+        raise ValueError(f"preset {preset!r} (family {kind}) reads no T5 context")
+    return columns(resolutions, kind == "sdxl", pooled=kind == "mmdit", t5=t5)
 
 
 # --- encoding -------------------------------------------------------------------------------------
@@ -97,24 +120,82 @@ class SDXLEncoders(Encoders):
         return super().to(device)
 
 
-def load_encoders(preset: str, pretrained: str | None = None) -> Encoders:
+class MMDiTEncoders(Encoders):
+    """An mmdit preset's: both CLIPs through RectifiedFlowTransformer's own `encode_clip` ((context
+    unpadded, pooled)) and, when given, T5 through its `tokenize_t5` and `encode_t5`."""
+
+    encode_clip = RectifiedFlowTransformer.encode_clip
+    encode_t5 = RectifiedFlowTransformer.encode_t5
+    tokenize_t5 = RectifiedFlowTransformer.tokenize_t5
+
+    def __init__(
+        self,
+        vae,
+        text_encoder,
+        tokenizer,
+        text_encoder_2,
+        tokenizer_2,
+        *,
+        t5_tokens: int,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    ):
+        super().__init__(vae, text_encoder, tokenizer)
+        if (text_encoder_3 is None) != (tokenizer_3 is None):
+            raise ValueError("text_encoder_3 (T5) and tokenizer_3 come together: give both or neither")
+        self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
+        self.text_encoder_3, self.tokenizer_3 = text_encoder_3, tokenizer_3
+        self.t5_tokens = int(t5_tokens)
+
+    def to(self, device) -> "MMDiTEncoders":
+        self.text_encoder_2.to(device).eval()
+        if self.text_encoder_3 is not None:
+            self.text_encoder_3.to(device).eval()
+        return super().to(device)
+
+
+T5_PARTS = ("text_encoder_3", "tokenizer_3")
+
+
+def has_t5(pretrained: str | None) -> bool:
+    """Whether the diffusers folder (or hub id) `pretrained` holds a T5 encoder and its tokenizer
+    (`text_encoder_3/`, `tokenizer_3/`, as stable-diffusion-3-medium-diffusers does)."""
+    if pretrained is None:
+        return False
+    local = Path(pretrained).expanduser()
+    if local.exists():
+        return all((local / name).is_dir() for name in T5_PARTS)
+    from huggingface_hub import hf_hub_download
+
+    with open(hf_hub_download(pretrained, "model_index.json")) as index:
+        parts = json.load(index)
+    return all((parts.get(name) or [None])[0] is not None for name in T5_PARTS)
+
+
+def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) -> Encoders:
     """`preset`'s encoders from `pretrained`, or its random weights drawn from seed 0, so that every
-    process of a run (and every run) encodes with the same ones."""
-    from models.build import build_encoders
+    process of a run (and every run) encodes with the same ones. With `t5`, an mmdit preset's T5
+    from `pretrained` too."""
+    from models.build import _load_component, build_encoders
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         parts = build_encoders(preset, pretrained)
-    return SDXLEncoders(**parts) if is_sdxl(preset) else Encoders(**parts)
+    if is_sdxl(preset):
+        return SDXLEncoders(**parts)
+    if family(preset) == "mmdit":
+        if t5:
+            parts.update({name: _load_component(name, pretrained, preset) for name in T5_PARTS})
+        return MMDiTEncoders(**parts, t5_tokens=PRESETS[preset]["t5_tokens"])
+    return Encoders(**parts)
 
 
 def pixel_sizes(bucket: str, resolutions, preset: str) -> dict[int, tuple[int, int]]:
-    """(height, width) per resolution: the bucket's size (data/buckets.py), R x R without buckets."""
+    """(height, width) per resolution: the bucket's size (data/buckets.py, multiples of the preset's
+    `size_multiple`), R x R without buckets."""
     if not bucket:
         return {r: (r, r) for r in resolutions}
-    spec = PRESETS[preset]
-    multiple = size_multiple(spec["vae"]["block_out_channels"], spec["unet"]["block_out_channels"])
-    return {r: bucket_size(bucket_ratio(bucket), r, multiple) for r in resolutions}
+    return {r: bucket_size(bucket_ratio(bucket), r, size_multiple(preset)) for r in resolutions}
 
 
 def _pixels(image_bytes: bytes, height: int, width: int | None = None) -> torch.Tensor:
@@ -130,8 +211,15 @@ def _prepare(row: dict, sizes: dict[int, tuple[int, int]]) -> dict[int, Crop] | 
 
 
 def _text_columns(model, captions: list[str], device) -> dict[str, np.ndarray]:
-    """The text encoders' outputs as stored: the model's own `encode_text`, SD's or SDXL's."""
+    """The text encoders' outputs as stored: the model's own functions, SD's or SDXL's `encode_text`,
+    or an mmdit model's `encode_clip` (and `encode_t5` when it has a T5)."""
     ids = tokenize(model.tokenizer, captions).to(device)
+    if isinstance(model, (RectifiedFlowTransformer, MMDiTEncoders)):
+        clip, pooled = model.encode_clip(ids, tokenize(model.tokenizer_2, captions).to(device))
+        text = {"text_embeds": clip, "pooled_text_embeds": pooled}
+        if model.text_encoder_3 is not None:
+            text["text_embeds_3"] = model.encode_t5(model.tokenize_t5(captions).to(device))
+        return {name: value.half().cpu().numpy() for name, value in text.items()}
     if not isinstance(model, (StableDiffusionXL, SDXLEncoders)):
         return {"text_embeds": model.encode_text(ids).half().cpu().numpy()}
     context, pooled = model.encode_text(ids, tokenize(model.tokenizer_2, captions).to(device))
@@ -207,7 +295,8 @@ def iter_samples(
 ) -> Iterator[dict]:
     """Every sample of the MDS set `src` with its latents, input by input (index order for a set
     without buckets). `model`, a model or `load_encoders`' Encoders, has `vae_moments`, `encode_text`
-    and `tokenizer` (SDXL's: `tokenizer_2` too), on `device`; `preset` gives the bucket sizes' multiple."""
+    and `tokenizer` (SDXL's: `tokenizer_2` too; an mmdit model's or encoders' `encode_clip` instead of
+    `encode_text`), on `device`; `preset` gives the bucket sizes' multiple."""
     parts, _ = source_parts(src)
     for part in parts:
         for result in encode_rows(part.samples(), model, resolutions, preset, batch_size, device):
@@ -249,6 +338,7 @@ class Encoder:
     batch_size: int = 16
     device: str | None = None
     workers: int = 1  # processes per rank: with LOCAL_RANK, which GPU each one takes
+    t5: bool = False  # an mmdit preset's T5 context too (--t5)
 
     def process_index(self) -> tuple[int, int]:
         """(this process's index among the node's conversion processes, how many there are)."""
@@ -282,7 +372,7 @@ class Encoder:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             _LOADED.clear()
-            _LOADED[key] = (load_encoders(self.preset, self.pretrained).to(device), device)
+            _LOADED[key] = (load_encoders(self.preset, self.pretrained, self.t5).to(device), device)
             log.info("process %d of %d encodes on %s", index, processes, device)
         return _LOADED[key]
 
@@ -325,9 +415,11 @@ def convert_latents(
     progress: bool = True,
     overwrite: bool = False,
     group=None,
+    t5: bool = False,
 ) -> dict:
-    """Encode the MDS image-caption set at `src` with `preset`'s frozen VAE and text encoder (loaded
-    from `pretrained`, a diffusers folder or hub id; random weights without it, for tests) into `out`
+    """Encode the MDS image-caption set at `src` with `preset`'s frozen VAE and text encoder(s) (loaded
+    from `pretrained`, a diffusers folder or hub id; random weights without it, for tests; an mmdit
+    preset's T5 too with `t5`, from `pretrained`) into `out`
     (a folder or s3:// URI), one input per source input; returns the run's report (convert.report).
     `workers` processes per rank of `group` (convert.ranks.launched_group) share the inputs."""
     from convert.pipeline import convert
@@ -346,9 +438,19 @@ def convert_latents(
         log.warning("no --pretrained: encoding with the %s preset's random weights", preset)
     resolutions = tuple(resolutions)
     options = LatentsOptions(resolutions, preset, pretrained, buckets)
-    encoder = Encoder(preset, pretrained, resolutions, batch_size, device, workers)
+    if t5 and family(preset) != "mmdit":
+        raise ConvertError(f"--t5: preset {preset!r} (family {family(preset)}) reads no T5 context")
+    if t5 and not has_t5(pretrained):
+        raise ConvertError(
+            "--t5 needs --pretrained, a folder (or hub id) with text_encoder_3/ and tokenizer_3/"
+        )
+    if not t5 and family(preset) == "mmdit" and has_t5(pretrained):
+        log.info(
+            "--pretrained %s has a T5 (text_encoder_3); not storing its context without --t5", pretrained
+        )
+    encoder = Encoder(preset, pretrained, resolutions, batch_size, device, workers, t5)
     return convert(
-        parts, out, options, columns(list(resolutions), is_sdxl(preset)), source="latents", src=str(src),
+        parts, out, options, preset_columns(preset, list(resolutions), t5), source="latents", src=str(src),
         workers=workers,
         work_dir=work_dir, progress=progress, overwrite=overwrite, write_rows=encoder, group=group,
     )  # fmt: skip

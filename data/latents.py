@@ -7,7 +7,10 @@ so training on these is the same computation as training on the images.
 An SDXL preset's rows also hold what its UNet reads besides (models/sdxl.py): `pooled_text_embeds`
 (1280,) fp16, the second text encoder's projected pooled output, and the micro-conditioning sizes,
 `original_size` (height, width) and per resolution `crop_top_left_{R}` (top, left) int64, which a
-sample carries as `crop_top_left`. A set without them (an SD preset's) gives samples without them.
+sample carries as `crop_top_left`. An mmdit preset's rows (models/mmdit.py) hold `text_embeds`
+(77, 768 + 1280 for sd3-medium: both CLIPs' context, unpadded), `pooled_text_embeds` (2048,) and,
+when converted with a T5, `text_embeds_3` (t5_tokens, 4096), all fp16. A set without a column (an SD
+preset's) gives samples without its key.
 """
 
 import torch
@@ -42,8 +45,9 @@ class LatentsDataset(StreamingBase):
             "latents": torch.tensor(sample[self.column], dtype=torch.float32),
             "text_embeds": torch.tensor(sample["text_embeds"], dtype=torch.float32),
         }
-        if "pooled_text_embeds" in sample:
-            out["pooled_text_embeds"] = torch.tensor(sample["pooled_text_embeds"], dtype=torch.float32)
+        for name in ("pooled_text_embeds", "text_embeds_3"):
+            if name in sample:
+                out[name] = torch.tensor(sample[name], dtype=torch.float32)
         if "original_size" in sample:
             out["original_size"] = torch.tensor(sample["original_size"], dtype=torch.int64)
         if self.crop_column in sample:

@@ -308,6 +308,11 @@ class RectifiedFlowTransformer(ComposerModel):
         precomputed embeddings, with caption dropout when `drop_captions` (training only)."""
         if "text_embeds" in batch:
             t5 = batch.get("text_embeds_3")
+            if t5 is not None and self.text_encoder_3 is None:
+                raise ValueError(
+                    "the batch holds T5's context (text_embeds_3) but this model reads none: convert "
+                    "without --t5, or load text_encoder_3 (model.pretrained_components)"
+                )
             context = self.joint_context(batch["text_embeds"].float(), None if t5 is None else t5.float())
             pooled = batch["pooled_text_embeds"].float()
         else:

@@ -92,42 +92,61 @@ def prepare_shapes_mds(local: str | Path, n: int = 2048, size: int = 32, seed: i
 
 
 def prepare_random_latents(
-    local: str | Path, preset: str = "sd2-base", n: int = 512, resolutions=(256, 512), seed: int = 0
+    local: str | Path,
+    preset: str = "sd2-base",
+    n: int = 512,
+    resolutions=(256, 512),
+    seed: int = 0,
+    t5: bool = False,
 ) -> Path:
     """Random precomputed latents shaped like `preset`'s (`convert latents` columns: VAE moments at
-    each resolution, the text context; for SDXL also the pooled vector and micro-conditioning), for
-    GPU throughput and wiring checks (bench/gpu_check.py) where the data's content does not matter
-    and a VAE pass would be wasted. Made once; safe when several ranks call it at once (as
-    prepare_shapes_mds)."""
+    each resolution, the text context; for SDXL also the pooled vector and micro-conditioning; for an
+    mmdit preset the pooled vector, and with `t5` T5's context), for GPU throughput and wiring checks
+    (bench/gpu_check.py) where the data's content does not matter and a VAE pass would be wasted. Made
+    once; safe when several ranks call it at once (as prepare_shapes_mds)."""
     import numpy as np
 
-    from convert.latents import columns
-    from models.presets import PRESETS, family
+    from convert.latents import preset_columns
+    from models.presets import PRESETS, family, vae_factor
 
     local = Path(local)
     if (local / "index.json").exists():
         return local
-    spec, sdxl = PRESETS[preset], family(preset) == "sdxl"
-    width = spec["unet"]["cross_attention_dim"]  # sd2-base: OpenCLIP-H's 1024; SDXL: 768 + 1280
-    channels, factor = spec["vae"]["latent_channels"], 2 ** (len(spec["vae"]["block_out_channels"]) - 1)
+    spec, kind = PRESETS[preset], family(preset)
+    cols = preset_columns(preset, list(resolutions), t5)
+    encoders = [spec["text_encoder"]] + ([spec["text_encoder_2"]] if "text_encoder_2" in spec else [])
+    # The stored context: sd2-base: OpenCLIP-H's 1024; SDXL and SD3: 768 + 1280 side by side (SD3's
+    # unpadded: the model pads it to the joint width itself).
+    width = sum(encoder["hidden_size"] for encoder in encoders)
+    # The pooled vector: SDXL's second encoder's projection (1280); SD3's both projections (2048).
+    pooled = spec["text_encoder_2"]["projection_dim"] if kind == "sdxl" else None
+    if kind == "mmdit":
+        pooled = sum(encoder["projection_dim"] for encoder in encoders)
+    channels, factor = spec["vae"]["latent_channels"], vae_factor(preset)
+    # Unscaled latents that the model's scaling brings to about unit variance: SD's mean ~ 5 N(0, 1)
+    # (scale 0.18215; SDXL's kept the same), an mmdit VAE's shift + N(0, 1) / scale.
+    std, shift = (1 / spec["latent_scale"], spec["latent_shift"]) if kind == "mmdit" else (5.0, 0.0)
     rng = np.random.default_rng(seed)
 
     def rows():
         for i in range(n):
             row = {"caption": "", "key": str(i)}
             row["text_embeds"] = rng.standard_normal((77, width), np.float32).astype(np.float16)
-            for r in resolutions:  # moments: mean ~ 5 N(0, 1), as unscaled SD latents (scale 0.18215)
-                mean = rng.standard_normal((channels, r // factor, r // factor), np.float32) * 5
+            for r in resolutions:
+                mean = rng.standard_normal((channels, r // factor, r // factor), np.float32) * std + shift
                 row[f"latents_{r}"] = np.concatenate([mean, np.full_like(mean, -6.0)]).astype(np.float16)
-            if sdxl:
-                pooled = spec["text_encoder_2"]["projection_dim"]
+            if pooled is not None:
                 row["pooled_text_embeds"] = rng.standard_normal(pooled, np.float32).astype(np.float16)
+            if kind == "sdxl":
                 row["original_size"] = np.array([max(resolutions)] * 2, dtype=np.int64)
                 row.update({f"crop_top_left_{r}": np.zeros(2, dtype=np.int64) for r in resolutions})
+            if t5:
+                shape = (spec["t5_tokens"], spec["text_encoder_3"]["d_model"])
+                row["text_embeds_3"] = rng.standard_normal(shape, np.float32).astype(np.float16)
             yield row
 
     with atomic_path(local, existing="keep") as out:
-        write_mds(rows(), str(out), columns(list(resolutions), sdxl))
+        write_mds(rows(), str(out), cols)
     return local
 
 
@@ -139,11 +158,17 @@ def prepare_sdxl_latents(local: str | Path, n: int = 256, resolutions=(512, 1024
     return prepare_random_latents(local, "sdxl-base", n, resolutions)
 
 
+def prepare_sd3_latents(local: str | Path, n: int = 512, resolutions=(256, 512)) -> Path:
+    """sd3-medium's, without T5 (off by default): 16-channel moments, the CLIP context and pooled vector."""
+    return prepare_random_latents(local, "sd3-medium", n, resolutions)
+
+
 # Datasets that `data.train.prepare: NAME` builds at `data.train.local` when it is missing.
 PREPARERS = {
     "shapes": prepare_shapes_mds,
     "sd2-latents": prepare_sd2_latents,
     "sdxl-latents": prepare_sdxl_latents,
+    "sd3-latents": prepare_sd3_latents,
 }
 
 
