@@ -345,7 +345,9 @@ class RectifiedFlowTransformer(ComposerModel):
         if seeds is None:
             latents = self.sample_latents(moments)
             condition = self.condition(batch, True, image_size)
-            noise = torch.randn_like(latents)
+            # Not randn_like: that follows the latents' memory format, channels-last when a CPU VAE
+            # encoded a batch, so the same draws would land elsewhere than on stored latents.
+            noise = torch.randn(latents.shape, device=latents.device, dtype=latents.dtype)
             normal = torch.randn(latents.shape[0], device=latents.device)
         else:
             posterior = DiagonalGaussianDistribution(moments.float())

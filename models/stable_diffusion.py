@@ -186,7 +186,9 @@ class StableDiffusion(ComposerModel):
         if seeds is None:
             latents = self.sample_latents(moments)
             condition = self.condition(batch, True, image_size)
-            noise = torch.randn_like(latents)
+            # Not randn_like: that follows the latents' memory format, channels-last when a CPU VAE
+            # encoded a batch, so the same draws would land elsewhere than on stored latents.
+            noise = torch.randn(latents.shape, device=latents.device, dtype=latents.dtype)
             if self.offset_noise:
                 noise = noise + self.offset_noise * torch.randn(
                     *latents.shape[:2], 1, 1, device=latents.device
