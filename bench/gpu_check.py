@@ -186,18 +186,29 @@ def plain_loop(preset: str, resolution: int, batch: int, steps: int = 20, warmup
 
     from models import build_model
     from models.flops import latent_size
+    from models.presets import family
 
     device = torch.device(device)
     torch.manual_seed(0)
     model = build_model(preset).to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     size = latent_size(preset, resolution)
-    moments = 2 * model.unet.config.in_channels  # the VAE's mean and log-variance, as convert latents writes
-    width = model.text_encoder.config.hidden_size
+    # The VAE's mean and log-variance, as convert latents writes them, for the UNet or transformer.
+    moments = 2 * model.denoiser.config.in_channels
+    # The stored text condition: each CLIP's hidden states side by side (SDXL's and SD3's two), and the
+    # pooled vector SDXL (bigG's) and SD3 (both CLIPs') condition on.
+    encoders = [model.text_encoder, getattr(model, "text_encoder_2", None)]
+    width = sum(encoder.config.hidden_size for encoder in encoders if encoder is not None)
     data = {
         "latents": torch.randn(batch, moments, size, size, device=device),
         "text_embeds": torch.randn(batch, 77, width, device=device),
     }
+    if family(preset) == "sdxl":
+        pooled = model.text_encoder_2.config.projection_dim
+    elif family(preset) == "mmdit":
+        pooled = model.denoiser.config.pooled_projection_dim
+    if family(preset) != "sd":
+        data["pooled_text_embeds"] = torch.randn(batch, pooled, device=device)
 
     def step():
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):

@@ -1,5 +1,6 @@
-"""Composer checkpoint -> StableDiffusion(XL) model -> diffusers `StableDiffusionPipeline` folder
-(`StableDiffusionXLPipeline` for an SDXL model).
+"""Composer checkpoint -> StableDiffusion(XL) or rectified-flow model -> diffusers pipeline folder:
+a `StableDiffusionPipeline` (`StableDiffusionXLPipeline` for an SDXL model, `StableDiffusion3Pipeline`
+for an mmdit one).
 
     python -m models.export CHECKPOINT OUT_DIR [--ema | --raw] [--preset tiny]
 
@@ -7,13 +8,26 @@ A checkpoint carries its model record (models/record.py: model family, component
 schedule, prediction type, zero-terminal SNR, latent scale, preset), and that exact model is rebuilt;
 a `--preset` or `--prediction-type` that contradicts it is an error. Checkpoints written before the
 record existed are read as before, with a warning: the architecture is inferred by matching their
-tensor shapes against every preset of their family in models/presets.py (SDXL when they hold a
-text_encoder_2; or named with `--preset`) and the prediction type comes from `--prediction-type`
-(default epsilon). The UNet is the EMA average when the
-checkpoint has one (`--ema`, the default then) or the raw training weights (`--raw`). The exported
-folder loads with `StableDiffusionPipeline.from_pretrained(OUT_DIR)` (SDXL:
-`StableDiffusionXLPipeline`, which zeroes the unconditional condition as training's caption dropout
-did: force_zeros_for_empty_prompt) and samples like `generate` with the DDIM sampler.
+tensor shapes against every preset of their family in models/presets.py (mmdit when they hold a
+`transformer`, else SDXL when they hold a text_encoder_2; or named with `--preset`) and the
+prediction type comes from `--prediction-type` (default epsilon). The denoiser (the UNet, or an
+mmdit model's transformer) is the EMA average when the checkpoint has one (`--ema`, the default then)
+or the raw training weights (`--raw`). The exported folder loads with
+`StableDiffusionPipeline.from_pretrained(OUT_DIR)` (SDXL: `StableDiffusionXLPipeline`, which zeroes
+the unconditional condition as training's caption dropout did: force_zeros_for_empty_prompt) and
+samples like `generate` with the DDIM sampler.
+
+An mmdit model's folder is a StableDiffusion3Pipeline's: the transformer, the VAE (its config holds
+the model's latent scale and shift, scaling_factor and shift_factor, which the pipeline decodes with),
+both CLIP encoders and tokenizers, T5 (text_encoder_3, tokenizer_3) only when the model reads it, and
+the training run's FlowMatchEulerDiscreteScheduler (its shift). Without T5, diffusers loads it only as
+`StableDiffusion3Pipeline.from_pretrained(OUT_DIR, text_encoder_3=None, tokenizer_3=None)` (its own
+way of leaving T5 off; model_index.json has them null). It samples like `generate` when called with
+`max_sequence_length=t5_tokens`: the length of the T5 part of the context the model trained with (77
+for sd3-medium, 8 for mmdit-tiny), zeros when there is no T5, which the transformer still attends to
+(its context embedder turns them into its bias), so the pipeline's default of 256 gives other
+images. OUT_DIR/README.md says both (its front matter's `max_sequence_length` is what
+models.generate reads back), and the export logs them.
 """
 
 import argparse
@@ -22,20 +36,33 @@ import logging
 from pathlib import Path
 
 import torch
-from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import (
+    DDIMScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+)
 
 from compat.transformers import init_empty_weights
 from models.build import MODEL_CLASSES, _tokenizers
 from models.checkpoint_file import CheckpointError, ema_state, one_line_errors, raw_state, read_checkpoint
 from models.lora import merge_lora, save_lora
+from models.mmdit import RectifiedFlowTransformer
 from models.presets import PRESETS, build_components, family
 from models.record import model_family, read_record, rebuild_model
 from models.stable_diffusion import StableDiffusion
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")  # the networks a preset has of these
-PIPELINES = {"sd": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
+# The networks a preset has of these (an mmdit preset's T5 is never built: it loads from a folder).
+COMPONENTS = ("unet", "transformer", "vae", "text_encoder", "text_encoder_2")
+PIPELINES = {
+    "sd": StableDiffusionPipeline,
+    "sdxl": StableDiffusionXLPipeline,
+    "mmdit": StableDiffusion3Pipeline,
+}
+README = "README.md"  # an mmdit export's model card: the max_sequence_length to call the pipeline with
 PROG = "python -m models.export"  # argparse's default would be "export.py"
 
 
@@ -50,7 +77,8 @@ def _preset_shapes(preset: str) -> dict[str, tuple[int, ...]]:
         if name in components
         for key, tensor in components[name].state_dict().items()
     }
-    return {**shapes, "latent_scale": ()}  # StableDiffusion's buffer: the VAE's latent scale
+    # The model's buffers: the VAE's latent scale (and an mmdit model's latent shift).
+    return {**shapes, **{name: () for name in ("latent_scale", "latent_shift") if name in components}}
 
 
 def _difference(expected: dict, weights: dict) -> str | None:
@@ -67,7 +95,10 @@ def _difference(expected: dict, weights: dict) -> str | None:
 
 
 def weights_family(weights: dict[str, torch.Tensor]) -> str:
-    """The family of a state dict (models.presets.family): "sdxl" with a second text encoder, else "sd"."""
+    """The family of a state dict (models.presets.family): "mmdit" with a transformer (it has a second
+    text encoder too), else "sdxl" with a second text encoder, else "sd"."""
+    if any(k.startswith("transformer.") for k in weights):
+        return "mmdit"
     return "sdxl" if any(k.startswith("text_encoder_2.") for k in weights) else "sd"
 
 
@@ -89,15 +120,15 @@ def load_model_from_checkpoint(
     *,
     preset: str | None = None,
     prediction_type: str | None = None,
-) -> StableDiffusion:
-    """The StableDiffusion (or StableDiffusionXL) model of a Composer checkpoint, on the CPU in eval
-    mode.
+) -> StableDiffusion | RectifiedFlowTransformer:
+    """The StableDiffusion (StableDiffusionXL, RectifiedFlowTransformer) model of a Composer
+    checkpoint, on the CPU in eval mode.
 
-    ema: True for the EMA-averaged UNet (an error if the checkpoint has none), False for the raw
+    ema: True for the EMA-averaged denoiser (an error if the checkpoint has none), False for the raw
         training weights, None for the average when there is one.
     preset, prediction_type: checked against the checkpoint's model record; for a checkpoint
         without one, the architecture (inferred from the tensor shapes when None) and what the UNet
-        predicts (epsilon when None).
+        predicts (epsilon when None; an mmdit model predicts the flow, and takes no prediction type).
     """
     state = read_checkpoint(path)
     weights = raw_state(state)
@@ -115,7 +146,7 @@ def load_model_from_checkpoint(
         # Copies in the model's dtype: the average may be stored in bf16, and its tensors are views
         # into one flat buffer, which safetensors refuses to save as separate tensors.
         weights.update({k: v.to(weights[k].dtype, copy=True) for k, v in averaged.items()})
-    log.info("%s: %s UNet weights", path, "EMA-averaged" if use_ema else "raw")
+    log.info("%s: %s trained weights", path, "EMA-averaged" if use_ema else "raw")
 
     record = read_record(state)
     # Parameters on the meta device, replaced by the checkpoint's tensors below: no random init of
@@ -151,11 +182,19 @@ def load_model_from_checkpoint(
             raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
         elif (why := _difference(_preset_shapes(preset), weights)) is not None:
             raise CheckpointError(f"{path} does not hold preset {preset!r}: {why}")
+        if family(preset) == "mmdit":
+            if prediction_type is not None:
+                raise CheckpointError(
+                    f"--prediction-type {prediction_type}: preset {preset!r} predicts the flow "
+                    "(rectified flow), it takes no prediction type"
+                )
+            # The rectified-flow options only shape training's timesteps: the defaults sample the same.
+            options = {"t5_tokens": PRESETS[preset]["t5_tokens"]}
+        else:
+            options = {"prediction_type": prediction_type or "epsilon"}
         with init_empty_weights():
             components = build_components(preset)
-        model = MODEL_CLASSES[family(preset)](
-            **_tokenizers(preset), prediction_type=prediction_type or "epsilon", **components
-        )
+        model = MODEL_CLASSES[family(preset)](**_tokenizers(preset), **options, **components)
         model.preset = preset
     model.load_state_dict(weights, strict=True, assign=True)
     return model.eval()
@@ -190,12 +229,17 @@ def _lora_model(path, record: dict, weights: dict) -> StableDiffusion:
     return model.eval()
 
 
-def export_pipeline(model: StableDiffusion, out_dir: str | Path) -> Path:
+def export_pipeline(model: StableDiffusion | RectifiedFlowTransformer, out_dir: str | Path) -> Path:
     """Write `model` as a diffusers StableDiffusionPipeline folder (safetensors weights); an SDXL
-    model as a StableDiffusionXLPipeline folder."""
+    model as a StableDiffusionXLPipeline folder, an mmdit model as a StableDiffusion3Pipeline folder
+    with a README.md that says its max_sequence_length."""
     out_dir = Path(out_dir)
     # The pipeline decodes with vae.config.scaling_factor; the model with its own latent_scale.
     model.vae.register_to_config(scaling_factor=float(model.latent_scale))
+    pipeline_class = PIPELINES[model_family(model)]
+    if pipeline_class is StableDiffusion3Pipeline:
+        _save_sd3(model, out_dir)
+        return out_dir
     parts = dict(
         vae=model.vae,
         text_encoder=model.text_encoder,
@@ -205,7 +249,6 @@ def export_pipeline(model: StableDiffusion, out_dir: str | Path) -> Path:
         # also StableDiffusion.generate's default.
         scheduler=DDIMScheduler.from_config(model.noise_scheduler.config),
     )
-    pipeline_class = PIPELINES[model_family(model)]
     if pipeline_class is StableDiffusionXLPipeline:
         pipeline = pipeline_class(
             **parts,
@@ -222,6 +265,89 @@ def export_pipeline(model: StableDiffusion, out_dir: str | Path) -> Path:
     pipeline.save_pretrained(out_dir, safe_serialization=True)
     log.info("wrote a %s to %s", pipeline_class.__name__, out_dir)
     return out_dir
+
+
+def _save_sd3(model: RectifiedFlowTransformer, out_dir: Path) -> None:
+    """A StableDiffusion3Pipeline folder of an mmdit model, and its README.md."""
+    # The pipeline decodes latents / scaling_factor + shift_factor: the model's unscale_latents.
+    model.vae.register_to_config(shift_factor=float(model.latent_shift))
+    pipeline = StableDiffusion3Pipeline(
+        transformer=model.transformer,
+        # The training run's flow-matching sampler (its shift): generate()'s Euler steps.
+        scheduler=FlowMatchEulerDiscreteScheduler.from_config(model.noise_scheduler.config),
+        vae=model.vae,
+        text_encoder=model.text_encoder,
+        tokenizer=model.tokenizer,
+        text_encoder_2=model.text_encoder_2,
+        tokenizer_2=model.tokenizer_2,
+        text_encoder_3=model.text_encoder_3,  # None (null in model_index.json) without T5
+        tokenizer_3=model.tokenizer_3,
+    )
+    # diffusers warns that a None T5 "cannot be saved": it is meant to be absent.
+    saver_log = logging.getLogger("diffusers.pipelines.pipeline_utils")
+    absent_t5 = _DropMessages("text_encoder_3=None", "tokenizer_3=None")
+    saver_log.addFilter(absent_t5)
+    try:
+        pipeline.save_pretrained(out_dir, safe_serialization=True)
+    finally:
+        saver_log.removeFilter(absent_t5)
+    (out_dir / README).write_text(model_card(model))
+    log.info(
+        "wrote a StableDiffusion3Pipeline to %s: load it with StableDiffusion3Pipeline.from_pretrained(%s) "
+        "and call it with max_sequence_length=%d (the model's t5_tokens; the default 256 samples other "
+        "images), as %s says",
+        out_dir,
+        "folder" if model.text_encoder_3 is not None else "folder, text_encoder_3=None, tokenizer_3=None",
+        model.t5_tokens,
+        out_dir / README,
+    )
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *fragments: str):
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(fragment in record.getMessage() for fragment in self.fragments)
+
+
+def model_card(model: RectifiedFlowTransformer) -> str:
+    """README.md of an mmdit export: how to load and sample it; its front matter holds the
+    max_sequence_length (models.generate reads it)."""
+    n = model.t5_tokens
+    if model.text_encoder_3 is not None:
+        t5 = f"T5 (text_encoder_3) reads each prompt as {n} tokens."
+        arguments = ""
+    else:
+        t5 = (
+            f"this model has no T5, and the T5 part of its context is {n} tokens of zeros, which the "
+            "transformer still attends to. Without T5, diffusers loads the folder only when told to leave "
+            "it off (text_encoder_3=None, tokenizer_3=None)."
+        )
+        arguments = ", text_encoder_3=None, tokenizer_3=None"
+    return f"""---
+library_name: diffusers
+pipeline_tag: text-to-image
+tags: [stable-diffusion-3, sd-recipes]
+max_sequence_length: {n}
+---
+# {model.preset or "mmdit"}: a rectified-flow MMDiT exported by models.export
+
+Call the pipeline with `max_sequence_length={n}`: {t5} The pipeline's default (256) gives other
+images.
+
+```python
+import torch
+from diffusers import StableDiffusion3Pipeline
+
+pipe = StableDiffusion3Pipeline.from_pretrained("path/to/this/folder"{arguments})
+image = pipe("a red circle", max_sequence_length={n}, generator=torch.Generator().manual_seed(0)).images[0]
+```
+
+`python -m models.generate FOLDER "a red circle" --out grid.png` samples the same images (it reads the
+number from this file).
+"""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -241,9 +367,13 @@ def add_weight_args(parser: argparse.ArgumentParser) -> None:
     """--ema/--raw, --preset and --prediction-type: how to read a checkpoint (shared with generate)."""
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument(
-        "--ema", dest="ema", action="store_true", default=None, help="EMA UNet (default when present)"
+        "--ema",
+        dest="ema",
+        action="store_true",
+        default=None,
+        help="EMA-averaged UNet or transformer (default when present)",
     )
-    weights.add_argument("--raw", dest="ema", action="store_false", help="raw training UNet weights")
+    weights.add_argument("--raw", dest="ema", action="store_false", help="raw training weights")
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -253,7 +383,8 @@ def add_weight_args(parser: argparse.ArgumentParser) -> None:
         "--prediction-type",
         choices=("epsilon", "v_prediction"),
         default=None,
-        help="what the UNet predicts (default: the checkpoint's record; without one, epsilon)",
+        help="what the UNet predicts (default: the checkpoint's record; without one, epsilon); not for "
+        "an mmdit model, which predicts the flow",
     )
 
 
@@ -275,11 +406,11 @@ def export(args: argparse.Namespace) -> None:
             )
     elif args.lora:
         pipeline_class = PIPELINES[model_family(model)]
-        out_dir = save_lora(model.unet, args.out_dir, pipeline_class)
+        out_dir = save_lora(model.denoiser, args.out_dir, pipeline_class)
         print(f"LoRA weights: {out_dir.resolve()} ({pipeline_class.__name__}.load_lora_weights loads it)")
         return
     elif args.merge_lora:
-        merge_lora(model.unet)
+        merge_lora(model.denoiser)
     else:
         raise CheckpointError(
             f"{args.checkpoint} is a LoRA checkpoint: --lora writes the adapter file, --merge-lora a full "

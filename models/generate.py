@@ -7,6 +7,8 @@
 One row per prompt, `--n-per-prompt` columns. Every row starts from the same seeded noise, so column
 j differs between rows only by the prompt, and a prompt's row does not depend on the other prompts.
 --ema/--raw, --preset and --prediction-type say how to read a checkpoint; a folder carries its own.
+The sampler defaults to the model family's: DDIM for SD and SDXL, flow-matching Euler steps (the only
+one) for an mmdit model, whose checkpoints and StableDiffusion3Pipeline folders both load here.
 """
 
 import argparse
@@ -15,12 +17,21 @@ import logging
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+import yaml
+from diffusers import (
+    AutoencoderKL,
+    DDPMScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    UNet2DConditionModel,
+)
 from torchvision.utils import save_image
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from models.checkpoint_file import CheckpointError, check_checkpoint_file, one_line_errors
-from models.export import add_weight_args, load_model_from_checkpoint
+from models.export import README, add_weight_args, load_model_from_checkpoint
+from models.mmdit import RectifiedFlowTransformer
+from models.record import model_family
 from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import SAMPLERS, StableDiffusion
 
@@ -28,15 +39,40 @@ log = logging.getLogger(__name__)
 
 GRID_PADDING = 2  # pixels between the images of the grid (torchvision's default)
 PROG = "python -m models.generate"  # argparse's default would be "generate.py"
+# The T5 length of an SD3 folder that does not say its own (no README.md of models.export): SD3's.
+SD3_T5_TOKENS = 77
+# Each family's sampler when none is named: DDIM (deterministic) for a UNet, the flow's Euler steps.
+DEFAULT_SAMPLERS = {"sd": "ddim", "sdxl": "ddim", "mmdit": "euler"}
+FAMILY_SAMPLERS = {"sd": tuple(SAMPLERS), "sdxl": tuple(SAMPLERS), "mmdit": ("euler",)}
 
 
-def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion:
+class SamplerError(ValueError):
+    """A sampler the model's family has not (the CLIs print it as one line)."""
+
+
+def sampler_for(model, sampler: str | None) -> str:
+    """`sampler`, or the model family's default when None; a sampler the family has not is a
+    SamplerError that names the ones it has."""
+    family = model_family(model)
+    if sampler is None:
+        return DEFAULT_SAMPLERS[family]
+    if sampler not in FAMILY_SAMPLERS[family]:
+        raise SamplerError(
+            f"sampler {sampler!r}: an {family} model samples with {' or '.join(FAMILY_SAMPLERS[family])}"
+        )
+    return sampler
+
+
+def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion | RectifiedFlowTransformer:
     """A StableDiffusion model from a diffusers StableDiffusionPipeline folder (models.export's
     output, or any SD folder with the same components), on the CPU in eval mode; a
-    StableDiffusionXL model from a folder with a `text_encoder_2/` (a StableDiffusionXLPipeline's)."""
+    StableDiffusionXL model from a folder with a `text_encoder_2/` (a StableDiffusionXLPipeline's); a
+    RectifiedFlowTransformer from a folder with a `transformer/` (a StableDiffusion3Pipeline's)."""
     folder = Path(folder)
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(f"{folder} is not a diffusers pipeline folder (no model_index.json)")
+    if (folder / "transformer").is_dir():
+        return _load_sd3_folder(folder)
     local = dict(local_files_only=True)
     # Without `accelerate` installed diffusers cannot skip the random init; saying so explicitly
     # silences its warning about it.
@@ -70,6 +106,63 @@ def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion:
     return model.eval()
 
 
+def _load_sd3_folder(folder: Path) -> RectifiedFlowTransformer:
+    """A StableDiffusion3Pipeline folder's components (T5 too when it has one), with the T5 length
+    its README.md says (models.export writes it), else SD3's 77."""
+    local = dict(local_files_only=True)
+    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", low_cpu_mem_usage=False, **local)
+    transformer = SD3Transformer2DModel.from_pretrained(
+        folder, subfolder="transformer", low_cpu_mem_usage=False, **local
+    )
+    parts = dict(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder", **local),
+        tokenizer=CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", **local),
+        text_encoder_2=CLIPTextModelWithProjection.from_pretrained(
+            folder, subfolder="text_encoder_2", **local
+        ),
+        tokenizer_2=CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", **local),
+        noise_scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
+            folder, subfolder="scheduler", **local
+        ),
+        latent_scale=vae.config.scaling_factor,
+        latent_shift=vae.config.get("shift_factor") or 0.0,
+        t5_tokens=_t5_tokens(folder),
+    )
+    if (folder / "text_encoder_3").is_dir():
+        from transformers import T5EncoderModel, T5TokenizerFast
+
+        parts["text_encoder_3"] = T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_3", **local)
+        parts["tokenizer_3"] = T5TokenizerFast.from_pretrained(folder, subfolder="tokenizer_3", **local)
+    model = RectifiedFlowTransformer(**parts)
+    log.info(
+        "%s: loaded the SD3 pipeline's components (%s T5, %d T5 tokens)",
+        folder,
+        "with" if model.text_encoder_3 is not None else "no",
+        model.t5_tokens,
+    )
+    return model.eval()
+
+
+def _t5_tokens(folder: Path) -> int:
+    """max_sequence_length from the front matter of the folder's README.md, else SD3's 77."""
+    card = folder / README
+    if card.is_file():
+        text = card.read_text()
+        if text.startswith("---\n"):
+            front = yaml.safe_load(text[4 : text.find("\n---", 4)]) or {}
+            if isinstance(front, dict) and isinstance(front.get("max_sequence_length"), int):
+                return front["max_sequence_length"]
+    log.info(
+        "%s: no max_sequence_length in a README.md front matter; the T5 part of the context is %d tokens "
+        "(SD3's)",
+        folder,
+        SD3_T5_TOKENS,
+    )
+    return SD3_T5_TOKENS
+
+
 def check_source(path: str | Path, ema: bool | None = None) -> Path:
     """load_model's checks that read a few bytes at most (the path is there, a checkpoint is whole,
     --ema/--raw only with a checkpoint): CLIs make them before anything slow."""
@@ -88,7 +181,9 @@ def check_source(path: str | Path, ema: bool | None = None) -> Path:
     return check_checkpoint_file(path)
 
 
-def load_model(path: str | Path, ema: bool | None = None, **checkpoint_kwargs) -> StableDiffusion:
+def load_model(
+    path: str | Path, ema: bool | None = None, **checkpoint_kwargs
+) -> StableDiffusion | RectifiedFlowTransformer:
     """A checkpoint file or an exported pipeline folder, whichever `path` is."""
     path = check_source(path, ema)
     if path.is_dir():
@@ -97,7 +192,7 @@ def load_model(path: str | Path, ema: bool | None = None, **checkpoint_kwargs) -
 
 
 def sample_grid(
-    model: StableDiffusion,
+    model: StableDiffusion | RectifiedFlowTransformer,
     prompts: list[str],
     n_per_prompt: int = 1,
     *,
@@ -126,7 +221,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale")
-    parser.add_argument("--sampler", choices=sorted(SAMPLERS), default="ddim")
+    parser.add_argument(
+        "--sampler",
+        choices=sorted(SAMPLERS),
+        default=None,
+        help="default: the model's (ddim for SD and SDXL, euler for an mmdit model, its only one)",
+    )
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument(
         "--guidance-rescale",
@@ -147,8 +247,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    with one_line_errors(PROG):
+    with one_line_errors(PROG, SamplerError):
         model = load_model(args.source, args.ema, preset=args.preset, prediction_type=args.prediction_type)
+        sampler = sampler_for(model, args.sampler)
     model.to(args.device)
     images = sample_grid(
         model,
@@ -161,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         num_inference_steps=args.steps,
         height=args.height,
         width=args.width,
-        sampler=args.sampler,
+        sampler=sampler,
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,8 @@ import torch
 # Attention projections, as diffusers' LoRA training example targets.
 DEFAULT_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
 # Every network comes from the base folder: a LoRA checkpoint stores none of their weights. (An
-# SDXL model loads text_encoder_2 wherever it loads text_encoder: models.build._sdxl_pairs.)
+# SDXL model loads text_encoder_2 wherever it loads text_encoder: models.build._partners.) UNet
+# presets only: models.build.build_model refuses model.lora for an mmdit preset.
 BASE_COMPONENTS = ("unet", "vae", "text_encoder")
 
 

@@ -1,23 +1,43 @@
 """What a checkpoint must say to rebuild its model without flags: the model record.
 
-`describe(model)` gives the model family ("sd" or "sdxl": which class models.build.MODEL_CLASSES
-builds), the full component configs (UNet, VAE, text encoder; SDXL's text_encoder_2 too), each
-tokenizer's source and padding, the noise-schedule config, `prediction_type`, `zero_terminal_snr`,
-the latent scale and the preset name, as plain Python values. `ModelRecord`, a Composer callback that the
-recipes add to every run, writes it into every checkpoint (`state["callbacks"]["ModelRecord"]`);
+`describe(model)` gives the model family ("sd", "sdxl" or "mmdit": which class
+models.build.MODEL_CLASSES builds), the full component configs (UNet, VAE, text encoder; SDXL's
+text_encoder_2 too), each tokenizer's source and padding, the noise-schedule config,
+`prediction_type`, `zero_terminal_snr`, the latent scale and the preset name, as plain Python values.
+An "mmdit" record (models/mmdit.py) has the transformer's config in place of the UNet's, both CLIP
+encoders (each with its projection), the flow-matching scheduler's config, the latent shift,
+`t5_tokens` and the rectified-flow options (timestep_mean, timestep_std, timestep_shift,
+loss_weighting); with T5, its config and the folder its tokenizer came from (T5's weights are in the
+checkpoint, its sentencepiece tokenizer is not). `ModelRecord`, a Composer callback that the recipes
+add to every run, writes it into every checkpoint (`state["callbacks"]["ModelRecord"]`);
 `read_record(state)` gets it back and `rebuild(record)` builds that architecture. The weights come
 from the checkpoint, so `rebuild` can run under `init_empty_weights` (no random init).
 
-A resumed run whose model differs from its checkpoint's record in what it predicts or in its noise
-schedule is warned about: the checkpoint would be resumed with a different objective.
+A resumed run whose model differs from its checkpoint's record in what it predicts, in its noise
+schedule or in its rectified-flow timestep options is warned about: the checkpoint would be resumed
+with a different objective.
 """
 
 import logging
 from pathlib import Path
 
 from composer.core import Callback
-from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from diffusers import (
+    AutoencoderKL,
+    DDPMScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    UNet2DConditionModel,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
 
 from models.tokenizer import build_tokenizer
 
@@ -25,8 +45,12 @@ log = logging.getLogger(__name__)
 
 # The record version per family. An SD record is version 1, as before SDXL (code of that time still
 # reads it); an SDXL record is version 2 (a `family` and the second text encoder and tokenizer), which
-# that code refuses by name rather than rebuilding an SD model without the second encoder.
-VERSIONS = {"sd": 1, "sdxl": 2}
+# that code refuses by name rather than rebuilding an SD model without the second encoder. An mmdit
+# record is version 3 (a transformer, no UNet): code before SDXL refuses it by its version, code before
+# the mmdit family by its family.
+VERSIONS = {"sd": 1, "sdxl": 2, "mmdit": 3}
+# The rectified-flow options an mmdit record keeps (models/mmdit.py), besides t5_tokens.
+FLOW_OPTIONS = ("timestep_mean", "timestep_std", "timestep_shift", "loss_weighting")
 
 
 def _plain(config) -> dict:
@@ -45,12 +69,14 @@ def model_family(model) -> str:
 
 
 def record_family(record: dict) -> str:
-    """The record's model family, "sd" or "sdxl"; records written before SDXL have none and are SD."""
+    """The record's model family, "sd", "sdxl" or "mmdit"; records written before SDXL have none and
+    are SD."""
     return record.get("family", "sd")
 
 
 def describe(model) -> dict:
-    """The record of a StableDiffusion or StableDiffusionXL model (see the module docstring)."""
+    """The record of a StableDiffusion, StableDiffusionXL or RectifiedFlowTransformer model (see the
+    module docstring)."""
     scheduler = _plain(model.noise_scheduler.config)
     family = model_family(model)
     source = getattr(model, "tokenizer_source", None)
@@ -58,7 +84,6 @@ def describe(model) -> dict:
         "version": VERSIONS[family],
         "family": family,
         "preset": getattr(model, "preset", None),
-        "unet": _plain(model.unet.config),
         "vae": _plain(model.vae.config),
         "text_encoder": model.text_encoder.config.to_dict(),
         "tokenizer": {"source": source, "pad_token": str(model.tokenizer.pad_token)},
@@ -71,10 +96,30 @@ def describe(model) -> dict:
         "pretrained": getattr(model, "pretrained", None),
         "lora": getattr(model, "lora", None),
     }
-    if family == "sdxl":  # loaded from the same folder as the first (models.build._sdxl_pairs)
+    if family == "mmdit":
+        record["transformer"] = _plain(model.transformer.config)
+        record["latent_shift"] = float(model.latent_shift)
+        record["t5_tokens"] = model.t5_tokens
+        record.update({key: getattr(model, key) for key in FLOW_OPTIONS})
+        record["text_encoder_3"] = record["tokenizer_3"] = None
+        if model.text_encoder_3 is not None:
+            record["text_encoder_3"] = model.text_encoder_3.config.to_dict()
+            record["tokenizer_3"] = {"source": _t5_source(model)}
+    else:
+        record["unet"] = _plain(model.unet.config)
+    if family in ("sdxl", "mmdit"):  # loaded from the same folder as the first (models.build._partners)
         record["text_encoder_2"] = model.text_encoder_2.config.to_dict()
         record["tokenizer_2"] = {"source": source, "pad_token": str(model.tokenizer_2.pad_token)}
     return record
+
+
+def _t5_source(model) -> str | None:
+    """The folder (or hub id) T5's tokenizer came from: the run's model.pretrained, which T5 only ever
+    loads from (models.build), or the source of the record a model was rebuilt from."""
+    pretrained = getattr(model, "pretrained", None)
+    if pretrained and "tokenizer_3" in pretrained.get("components", ()):
+        return pretrained["source"]
+    return getattr(model, "tokenizer_3_source", None) or model.tokenizer_3.name_or_path or None
 
 
 def _tokenizer(entry: dict, subfolder: str) -> CLIPTokenizer:
@@ -97,6 +142,8 @@ def rebuild(record: dict) -> dict:
             f"model record version {record.get('version')!r}; this code reads version {VERSIONS[family]} "
             f"for family {family!r}"
         )
+    if family == "mmdit":
+        return _rebuild_mmdit(record)
     parts = dict(
         unet=UNet2DConditionModel.from_config(record["unet"]),
         vae=AutoencoderKL.from_config(record["vae"]),
@@ -113,6 +160,44 @@ def rebuild(record: dict) -> dict:
     return parts
 
 
+def _rebuild_mmdit(record: dict) -> dict:
+    """RectifiedFlowTransformer's components and options; T5 (when the record has it) with its
+    tokenizer from the folder the run loaded it from."""
+    parts = dict(
+        transformer=SD3Transformer2DModel.from_config(record["transformer"]),
+        vae=AutoencoderKL.from_config(record["vae"]),
+        # Both CLIPs with their projections: the pooled vector is both projected outputs.
+        text_encoder=CLIPTextModelWithProjection(CLIPTextConfig.from_dict(record["text_encoder"])),
+        tokenizer=_tokenizer(record["tokenizer"], "tokenizer"),
+        text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig.from_dict(record["text_encoder_2"])),
+        tokenizer_2=_tokenizer(record["tokenizer_2"], "tokenizer_2"),
+        noise_scheduler=FlowMatchEulerDiscreteScheduler.from_config(record["scheduler"]),
+        latent_scale=record["latent_scale"],
+        latent_shift=record["latent_shift"],
+        t5_tokens=record["t5_tokens"],
+        **{key: record[key] for key in FLOW_OPTIONS},
+    )
+    if record.get("text_encoder_3") is not None:
+        parts["text_encoder_3"] = T5EncoderModel(T5Config.from_dict(record["text_encoder_3"]))
+        parts["tokenizer_3"] = _t5_tokenizer(record["tokenizer_3"]["source"])
+    return parts
+
+
+def _t5_tokenizer(source: str | None) -> T5TokenizerFast:
+    if not source:
+        raise FileNotFoundError(
+            "the model record has T5 (text_encoder_3) but not where its tokenizer came from: T5's "
+            "weights are in the checkpoint, its tokenizer is not"
+        )
+    try:
+        return T5TokenizerFast.from_pretrained(source, subfolder="tokenizer_3", local_files_only=True)
+    except OSError as error:  # the folder is gone, or a hub id that is not in the local cache
+        raise FileNotFoundError(
+            f"the checkpoint's model reads T5, whose tokenizer came from {source}/tokenizer_3: not found "
+            "there (T5's weights are in the checkpoint, its tokenizer is not); put that folder back"
+        ) from error
+
+
 def rebuild_model(record: dict):
     """The model `record` describes (its class from the family), with `preset` and `tokenizer_source`
     set as models.build sets them; weights as `rebuild`'s."""
@@ -120,6 +205,8 @@ def rebuild_model(record: dict):
 
     model = MODEL_CLASSES[record_family(record)](**rebuild(record))
     model.preset, model.tokenizer_source = record.get("preset"), record["tokenizer"].get("source")
+    if record.get("tokenizer_3"):
+        model.tokenizer_3_source = record["tokenizer_3"]["source"]
     return model
 
 
@@ -138,7 +225,8 @@ class ModelRecord(Callback):
         return self.record
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("prediction_type", "zero_terminal_snr"):
+        # FLOW_OPTIONS: None == None in the records of a UNet model, which have none.
+        for key in ("prediction_type", "zero_terminal_snr", *FLOW_OPTIONS):
             if state.get(key) != self.record.get(key):
                 log.warning(
                     "resuming a checkpoint recorded with %s=%r into a model with %s=%r",

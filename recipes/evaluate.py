@@ -1,8 +1,9 @@
 """FID, KID and CLIP score of a checkpoint (or exported pipeline) on an MDS image-caption set.
 
     python -m recipes.evaluate CHECKPOINT_OR_PIPELINE_DIR --data MDS_DIR_OR_S3 --out DIR \\
-        [--n 30000] [--guidance 3 5 8] [--steps 50] [--sampler ddim] [--resolution 512] [--seed 2023] \\
-        [--inception-weights PATH] [--clip-model PATH] [--extractors real|tiny] [--protocol mlperf]
+        [--n 30000] [--guidance 3 5 8] [--steps 50] [--sampler ddim|euler|dpm++] \\
+        [--resolution 512] [--seed 2023] [--inception-weights PATH] [--clip-model PATH] \\
+        [--extractors real|tiny] [--protocol mlperf]
     composer -n 8 -m recipes.evaluate ... --num-captions 30000   # split across 8 processes
 
 One image per caption of `--n` rows of the set (all rows when it has fewer; otherwise drawn with
@@ -12,12 +13,15 @@ Images are kept as DIR/images/guidance-G/ROW.png: a rerun (after a kill, or with
 scales) reuses them. FID and KID compare Inception features of the generated images with those of
 the rows' own images (resized and center-cropped to the resolution); CLIP score is the mean cosine
 similarity of each image with its caption. Writes DIR/metrics.json, DIR/metrics.md,
-DIR/fid-vs-clip.png and DIR/samples.png (the first images, a row per guidance scale).
+DIR/fid-vs-clip.png and DIR/samples.png (the first images, a row per guidance scale). The sampler
+defaults to the model family's (ddim for SD and SDXL; euler, its only one, for an mmdit model), the
+resolution to the model's native size; checkpoints and exported folders of every family evaluate.
 
 `--protocol mlperf`: MLPerf Training's Stable Diffusion settings (30,000 captions drawn with seed
 2023, DDIM 50 steps, guidance 8, 512 px; targets FID <= 90, CLIP score >= 0.15) on the set given,
-e.g. COCO-2014 val written by `sd-convert coco`. `--extractors tiny`: random stand-in networks
-(recipes/extractors.py) for tests and the CPU demo; their numbers are not comparable to papers'.
+e.g. COCO-2014 val written by `sd-convert coco` (an mmdit model samples with its Euler steps).
+`--extractors tiny`: random stand-in networks (recipes/extractors.py) for tests and the CPU demo;
+their numbers are not comparable to papers'.
 """
 
 import argparse
@@ -38,14 +42,15 @@ from compat.composer import torch_device as compat_torch_device
 from convert.atomic import atomic_path, atomic_write_bytes
 from models.checkpoint_file import one_line_errors
 from models.export import add_weight_args
-from models.generate import check_source, load_model
+from models.generate import SamplerError, check_source, load_model, sampler_for
 from models.stable_diffusion import SAMPLERS
 from recipes import extractors
 from recipes.image_metrics import scores, write_report
 
 log = logging.getLogger("recipes.evaluate")  # not "__main__" under python -m
 
-DEFAULTS = dict(n=30_000, guidance=[8.0], steps=50, sampler="ddim", resolution=None, seed=2023)
+# sampler None: the model family's (models.generate.sampler_for); resolution None: the model's size.
+DEFAULTS = dict(n=30_000, guidance=[8.0], steps=50, sampler=None, resolution=None, seed=2023)
 PROTOCOLS = {  # MLPerf Training v4.x, stable_diffusion reference (mlcommons/training)
     "mlperf": dict(DEFAULTS, resolution=512, targets={"fid": 90.0, "clip_score": 0.15}),
 }
@@ -71,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--guidance", type=float, nargs="+", help="guidance scales (default 8)")
     parser.add_argument("--steps", type=int, help=f"sampling steps (default {DEFAULTS['steps']})")
-    parser.add_argument("--sampler", choices=sorted(SAMPLERS), help="default ddim")
+    parser.add_argument(
+        "--sampler", choices=sorted(SAMPLERS), help="default: the model's (ddim; euler for an mmdit model)"
+    )
     parser.add_argument(
         "--guidance-rescale", type=float, help="default: 0.7 for a zero-terminal-SNR model, else 0"
     )
@@ -163,9 +170,9 @@ def source_version(source: str) -> str:
     """Size and modification time of the weights: a checkpoint rewritten at the same path (a new
     training run) is another source, whose images must not be reused."""
     path = Path(source)
-    if path.is_dir():
-        weights = sorted((path / "unet").glob("*.safetensors")) or [path / "model_index.json"]
-        path = weights[0]
+    if path.is_dir():  # the denoiser's weights: a UNet's, or an SD3 folder's transformer's
+        weights = sorted(path.glob("unet/*.safetensors")) + sorted(path.glob("transformer/*.safetensors"))
+        path = (weights or [path / "model_index.json"])[0]
     stat = path.stat()
     return f"{stat.st_size} bytes, mtime {stat.st_mtime_ns}"
 
@@ -254,9 +261,11 @@ def evaluate(args) -> list[dict] | None:
     inception = extractors.inception(args.extractors, args.inception_weights)
     clip = extractors.clip(args.extractors, args.clip_model, args.clip_arch)
     model = load_model(args.source, args.ema, preset=args.preset, prediction_type=args.prediction_type)
+    args.sampler = sampler_for(model, args.sampler)  # the family's default; one it has not: an error
     torch_device = compat_torch_device(device)
     model.to(torch_device), inception.to(torch_device), clip.model.to(torch_device)
-    resolution = args.resolution or model.unet.config.sample_size * model.vae_scale_factor
+    # The denoiser's native size: its latent sample_size (a UNet's, or a transformer's) in pixels.
+    resolution = args.resolution or model.denoiser.config.sample_size * model.vae_scale_factor
     rows = choose_rows(dataset.num_samples, args.n, args.seed)  # len() is per rank
     batches = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
     mine = range(rank, len(batches), dist.get_world_size())
@@ -314,7 +323,7 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     for name in ("recipes", "models"):
         logging.getLogger(name).setLevel(logging.INFO)
     args = parse_args(argv)
-    with one_line_errors(PROG, SettingsChanged):  # MissingWeights is a FileNotFoundError
+    with one_line_errors(PROG, SettingsChanged, SamplerError):  # MissingWeights is a FileNotFoundError
         check_inputs(args)
         return evaluate(args)
 

@@ -10,10 +10,11 @@ Each grid is `<folder>/ba<N>.png` (a row per (guidance, prompt), `per_prompt` co
 seeds in every grid so that grids of one run compare picture by picture) with `ba<N>.json` beside it
 (prompts, seeds, guidance scales, steps, sampler, batch, whether EMA weights drew it), and goes to
 every logger through `logger.log_images` (wandb, MLflow). `folder` defaults to `samples/` under the
-checkpoint folder, else `runs/<run_name>/samples`.
+checkpoint folder, else `runs/<run_name>/samples`. `sampler` defaults to the model family's: ddim
+for SD and SDXL, euler (flow-matching Euler steps, the only one) for an mmdit model.
 
 Sampling uses the EMA weights when the run has EMA, and leaves training exactly as it was: the
-weights are swapped back, the UNet's train/eval mode restored and every RNG (python, numpy, torch,
+weights are swapped back, the denoiser's train/eval mode restored and every RNG (python, numpy, torch,
 CUDA) put back, so a run with this callback ends bitwise identical to one without. Every rank takes
 part (FSDP needs all ranks in each forward pass; all draw the same images); rank 0 writes.
 """
@@ -29,7 +30,7 @@ from composer.loggers import Logger
 from composer.utils import create_interval_scheduler, dist, format_name_with_dist
 from torchvision.utils import save_image
 
-from models.generate import sample_grid
+from models.generate import sample_grid, sampler_for
 from models.stable_diffusion import SAMPLERS
 from recipes.callbacks import preserved_rng
 from recipes.ema import find_ema
@@ -46,13 +47,13 @@ class SampleGrids(Callback):
         seed: int = 0,
         guidance: list[float] | float = (5.0,),
         steps: int = 25,
-        sampler: str = "ddim",
+        sampler: str | None = None,
         folder: str | None = None,
     ):
         # Checked here, where the config check builds it (recipes/config.py), not at the first grid.
         if not prompts:
             raise ValueError("SampleGrids needs at least one prompt")
-        if sampler not in SAMPLERS:
+        if sampler is not None and sampler not in SAMPLERS:
             raise ValueError(f"sampler={sampler!r} is not one of {sorted(SAMPLERS)}")
         for name, value in (("per_prompt", per_prompt), ("steps", steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -70,6 +71,8 @@ class SampleGrids(Callback):
             name = type(_unwrapped(state)).__name__
             raise TypeError(f"SampleGrids needs a model that generates; {name} does not")
         self.folder = Path(self.folder or _default_folder(state))
+        # None: the family's own (ddim for a UNet, euler for an mmdit model); one it has not is an error.
+        self.sampler = sampler_for(_unwrapped(state), self.sampler)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._due(state, Event.BATCH_END):

@@ -18,7 +18,8 @@ from omegaconf import DictConfig
 
 from compat.composer import mlflow_run_id
 from data.loader import build_image_caption_dataloader
-from models import StableDiffusion, build
+from models import build
+from models.build import MODEL_CLASSES
 from models.presets import size_multiple
 from models.record import ModelRecord, describe
 from recipes.callbacks import IsolateEvalRng, RestoreRngOnResume
@@ -159,7 +160,7 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
         plan.grad_accum,
     )
     callbacks = [instantiate(spec) for spec in run.callbacks.values()]
-    if isinstance(model, StableDiffusion):  # every checkpoint says what model it holds
+    if isinstance(model, tuple(MODEL_CLASSES.values())):  # every checkpoint says what model it holds
         callbacks.append(ModelRecord(describe(model)))
     return dict(
         run_name=run.run_name,
