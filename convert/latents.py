@@ -176,7 +176,7 @@ def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) 
     """`preset`'s encoders from `pretrained`, or its random weights drawn from seed 0, so that every
     process of a run (and every run) encodes with the same ones. With `t5`, an mmdit preset's T5
     from `pretrained` too."""
-    from models.build import _load_component, build_encoders
+    from models.build import build_encoders, load_component
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -185,7 +185,7 @@ def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) 
         return SDXLEncoders(**parts)
     if family(preset) == "mmdit":
         if t5:
-            parts.update({name: _load_component(name, pretrained, preset) for name in T5_PARTS})
+            parts.update({name: load_component(name, pretrained, preset) for name in T5_PARTS})
         return MMDiTEncoders(**parts, t5_tokens=PRESETS[preset]["t5_tokens"])
     return Encoders(**parts)
 
@@ -427,10 +427,10 @@ def convert_latents(
     if preset not in PRESETS:
         raise ConvertError(f"--preset {preset}: unknown; choose one of {sorted(PRESETS)}")
     if pretrained is not None:
-        from models.build import _check_source
+        from models.build import check_pretrained
 
         try:
-            _check_source(pretrained)
+            check_pretrained(pretrained)
         except FileNotFoundError as err:
             raise ConvertError(f"--pretrained {pretrained}: {err}") from None
     parts, buckets = source_parts(src)

@@ -62,20 +62,20 @@ FAMILY_COMPONENTS = {
     | {"text_encoder_3", "tokenizer_3"},
 }
 MODEL_CLASSES = {"sd": StableDiffusion, "sdxl": StableDiffusionXL, "mmdit": RectifiedFlowTransformer}
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def _check_source(pretrained: str) -> None:
+def check_pretrained(pretrained: str) -> None:
     """A local folder must exist; anything else must look like a hub id (loaded when online)."""
     if Path(pretrained).expanduser().exists():
         return
-    if _HUB_ID.match(pretrained) and not pretrained.startswith("."):
+    if HUB_ID.match(pretrained) and not pretrained.startswith("."):
         log.info("model.pretrained=%s is not a local folder; loading it from the hub", pretrained)
         return
     raise FileNotFoundError(f"model.pretrained={pretrained}: no such folder (and not a hub id like org/name)")
 
 
-def _load_component(name: str, pretrained: str, preset: str | None = None):
+def load_component(name: str, pretrained: str, preset: str | None = None):
     subfolder, cls = COMPONENTS[name]
     if preset is not None:
         cls = FAMILY_CLASSES.get(family(preset), {}).get(name, cls)
@@ -103,7 +103,7 @@ def _partners(preset: str, components) -> list[str]:
     return names
 
 
-def _tokenizers(preset: str) -> dict:
+def bundled_tokenizers(preset: str) -> dict:
     """The bundled BPE tokenizer(s) of a preset, each with its padding (models/tokenizer.py)."""
     spec = PRESETS[preset]
     tokenizers = {"tokenizer": build_tokenizer(pad_token=spec.get("pad_token", "!"))}
@@ -121,12 +121,12 @@ def build_encoders(preset: str, pretrained: str | None = None) -> dict:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     names = _partners(preset, ("vae", "text_encoder", "tokenizer"))
     if pretrained is not None:
-        _check_source(pretrained)
-        return {name: _load_component(name, pretrained, preset) for name in names}
+        check_pretrained(pretrained)
+        return {name: load_component(name, pretrained, preset) for name in names}
     parts = build_components(preset, skip=("unet", "transformer", "noise_scheduler"))
     parts.pop("latent_scale")
     parts.pop("latent_shift", None)
-    return {**parts, **_tokenizers(preset)}
+    return {**parts, **bundled_tokenizers(preset)}
 
 
 # The options of each objective, with their defaults: a preset of the other family refuses them.
@@ -287,13 +287,13 @@ def _parts(preset: str, pretrained: str | None, pretrained_components: list[str]
     loaded = [("noise_scheduler" if name == "scheduler" else name) for name in pretrained_components]
     parts = build_components(preset, skip=loaded if pretrained is not None else ())
     if pretrained is None or "tokenizer" not in pretrained_components:
-        parts.update(_tokenizers(preset))
+        parts.update(bundled_tokenizers(preset))
     if pretrained is None:
         return parts
-    _check_source(pretrained)
+    check_pretrained(pretrained)
     for name in pretrained_components:
         key = "noise_scheduler" if name == "scheduler" else name
-        parts[key] = _load_component(name, pretrained, preset)
+        parts[key] = load_component(name, pretrained, preset)
         log.info("loaded %s from %s", name, pretrained)
     if "vae" in pretrained_components:  # the latent scale belongs to the VAE it was measured on
         parts["latent_scale"] = parts["vae"].config.scaling_factor

@@ -45,7 +45,7 @@ from diffusers import (
 )
 
 from compat.transformers import init_empty_weights
-from models.build import MODEL_CLASSES, _tokenizers
+from models.build import MODEL_CLASSES, bundled_tokenizers
 from models.checkpoint_file import CheckpointError, ema_state, one_line_errors, raw_state, read_checkpoint
 from models.lora import merge_lora, save_lora
 from models.mmdit import RectifiedFlowTransformer
@@ -194,7 +194,7 @@ def load_model_from_checkpoint(
             options = {"prediction_type": prediction_type or "epsilon"}
         with init_empty_weights():
             components = build_components(preset)
-        model = MODEL_CLASSES[family(preset)](**_tokenizers(preset), **options, **components)
+        model = MODEL_CLASSES[family(preset)](**bundled_tokenizers(preset), **options, **components)
         model.preset = preset
     model.load_state_dict(weights, strict=True, assign=True)
     return model.eval()
@@ -202,10 +202,10 @@ def load_model_from_checkpoint(
 
 def _lora_model(path, record: dict, weights: dict) -> StableDiffusion:
     """A LoRA checkpoint holds the adapter only: the base comes from the folder the run loaded."""
-    from models.build import _HUB_ID, build_model
+    from models.build import HUB_ID, build_model
 
     source = record["pretrained"]["source"]
-    if not Path(source).expanduser().exists() and not _HUB_ID.match(source):
+    if not Path(source).expanduser().exists() and not HUB_ID.match(source):
         raise FileNotFoundError(
             f"{path} is a LoRA checkpoint: it holds the adapter only, and its base model {source} "
             "(the run's model.pretrained) is not there"
