@@ -59,6 +59,7 @@ VARIANTS = {  # name -> overrides on top of the recipe; the first is the baselin
         FSDP,
         "model.activation_checkpointing=blocks",
         "trainer.parallelism_config.fsdp.activation_checkpointing=true",
+        "+trainer.parallelism_config.fsdp.activation_checkpointing_reentrant=false",
         "MICROBATCH_X2",
     ],
     "no low-precision norms": ["model.low_precision_norms=null"],

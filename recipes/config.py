@@ -119,6 +119,7 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
     _check_model_keys(run.model)
     _check_trainer_keys(run.trainer)
     _check_max_duration(run.trainer)
+    _check_fsdp(run.trainer)
     for section in ("algorithms", "callbacks", "loggers"):
         for name, spec in getattr(run, section).items():
             _check_target(spec, f"{section}.{name}")
@@ -283,6 +284,22 @@ def _check_max_duration(trainer: dict) -> None:
         raise ConfigError(f"'trainer.max_duration' cannot be in dur, {example}; got {value!r}")
     if duration.value <= 0:
         raise ConfigError(f"'trainer.max_duration' must be more than zero, {example}; got {value!r}")
+
+
+def _check_fsdp(trainer: dict) -> None:
+    """FSDP activation checkpointing must be non-reentrant: Composer 0.32 defaults to the reentrant
+    wrapper, which gives back only the top-level tensors of a block's output with their graph, and a
+    diffusers UNet down block returns its skip connections in a nested tuple: they come back
+    detached, so the first backward fails ("backward through the graph a second time") or, where it
+    does not, the gradient is silently partial."""
+    fsdp = (trainer.get("parallelism_config") or {}).get("fsdp") or {}
+    if fsdp.get("activation_checkpointing") and fsdp.get("activation_checkpointing_reentrant", True):
+        raise ConfigError(
+            "'trainer.parallelism_config.fsdp.activation_checkpointing' needs "
+            "activation_checkpointing_reentrant: false (Composer's default, true, detaches the UNet "
+            "blocks' skip connections); add "
+            "trainer.parallelism_config.fsdp.activation_checkpointing_reentrant=false"
+        )
 
 
 def _check_values(run: RunConfig) -> None:

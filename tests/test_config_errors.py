@@ -84,6 +84,10 @@ def _fails(overrides, shapes_mds, match):
             ["+trainer.parallelism_config={fsdp: {sharding_strategy: SHARD_GRAD_OP}}"],
             "'trainer.parallelism_config.fsdp' needs CUDA GPUs",
         ),
+        (
+            ["+trainer.parallelism_config={fsdp: {activation_checkpointing: true}}"],
+            "needs activation_checkpointing_reentrant: false",
+        ),
     ],
 )
 def test_config_mistake_is_named_before_anything_is_built(overrides, match, shapes_mds, nothing_built):

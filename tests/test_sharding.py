@@ -1,9 +1,11 @@
 """models/sharding.py: the UNet's FSDP units and activation-checkpointed blocks."""
 
+import functools
+
 import pytest
 import torch
 
-from compat.torch import apply_activation_checkpointing
+from compat.torch import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
 from models import build_model, sharding
 from models.presets import build_components
 
@@ -28,26 +30,57 @@ def test_bad_granularity_is_named():
         build_model("tiny", activation_checkpointing="unet")
 
 
-def test_checkpointed_blocks_give_the_same_gradients():
-    """What Composer applies under FSDP with activation_checkpointing (apply_activation_checkpointing
-    with the UNet's activation_checkpointing_fn), without FSDP: the gradients do not change."""
+def _checkpointed_unet_pair(preset: str, impl):
+    """A UNet of `preset` and a copy with its blocks wrapped as Composer wraps them under FSDP with
+    activation_checkpointing (apply_activation_checkpointing with the UNet's
+    activation_checkpointing_fn and `impl`: NO_REENTRANT when activation_checkpointing_reentrant is
+    false, REENTRANT, Composer's default, otherwise), without FSDP."""
     torch.manual_seed(0)
-    plain = build_model("tiny").unet
-    checkpointed = build_model("tiny", activation_checkpointing="blocks").unet
+    plain = build_model(preset).unet
+    checkpointed = build_model(preset, activation_checkpointing="blocks").unet
     checkpointed.load_state_dict(plain.state_dict())
-    apply_activation_checkpointing(checkpointed, check_fn=checkpointed.activation_checkpointing_fn)
-    assert sum(type(m).__name__ == "CheckpointWrapper" for m in checkpointed.modules()) == 5
-    generator = torch.Generator().manual_seed(1)
-    latents, context = (
-        torch.randn(2, 4, 8, 8, generator=generator),
-        torch.randn(2, 77, 32, generator=generator),
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=impl)
+    apply_activation_checkpointing(
+        checkpointed, checkpoint_wrapper_fn=wrapper, check_fn=checkpointed.activation_checkpointing_fn
     )
+    assert sum(type(m).__name__ == "CheckpointWrapper" for m in checkpointed.modules()) == 5
+    return plain, checkpointed
+
+
+def _step(unet) -> None:
+    generator = torch.Generator().manual_seed(1)
+    config = unet.config
+    latents = torch.randn(2, 4, 8, 8, generator=generator)
+    context = torch.randn(2, 77, config.cross_attention_dim, generator=generator)
+    extra = {}
+    if config.addition_embed_type == "text_time":  # SDXL's pooled text and micro-conditioning
+        pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+        extra["added_cond_kwargs"] = {
+            "text_embeds": torch.randn(2, pooled, generator=generator),
+            "time_ids": torch.randn(2, 6, generator=generator),
+        }
+    out = unet(latents, torch.tensor([10, 500]), encoder_hidden_states=context, **extra).sample
+    out.square().mean().backward()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "sdxl-tiny"])
+def test_checkpointed_blocks_give_the_same_gradients(preset):
+    """Non-reentrant checkpointing (what the recipes configure) recomputes each block and gives the
+    unsharded UNet's gradients."""
+    plain, checkpointed = _checkpointed_unet_pair(preset, CheckpointImpl.NO_REENTRANT)
     for unet in (plain, checkpointed):
-        unet(
-            latents, torch.tensor([10, 500]), encoder_hidden_states=context
-        ).sample.square().mean().backward()
+        _step(unet)
     for (name, p), (_, q) in zip(plain.named_parameters(), checkpointed.named_parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_reentrant_checkpointing_breaks_the_unet_backward():
+    """Why recipes/config.py refuses FSDP activation checkpointing unless it is non-reentrant: the
+    reentrant wrapper returns a down block's skip connections (inside a nested tuple) detached, and
+    SDXL's UNet backward then fails."""
+    _, checkpointed = _checkpointed_unet_pair("sdxl-tiny", CheckpointImpl.REENTRANT)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        _step(checkpointed)
 
 
 @pytest.mark.slow
