@@ -68,8 +68,23 @@ class StableDiffusionXL(StableDiffusion):
         crop = torch.zeros_like(target) if crop is None else crop.to(device)
         return torch.cat([original, crop, target], dim=1).float()
 
+    @torch.no_grad()
+    def vae_moments(self, images: torch.Tensor) -> torch.Tensor:
+        """As the base class's, but never under fp16 autocast: SDXL's VAE overflows in fp16 (its
+        config's `force_upcast`, which diffusers' pipelines honour by running it in fp32)."""
+        device = images.device.type
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16:
+            with torch.autocast(device, enabled=False):
+                return super().vae_moments(images)
+        return super().vae_moments(images)
+
     def condition(self, batch, drop_captions: bool, image_size: tuple[int, int]) -> dict:
         if "text_embeds" in batch:
+            if "pooled_text_embeds" not in batch:
+                raise ValueError(
+                    "the batch's precomputed latents have no pooled_text_embeds: they were converted for "
+                    "another model family; convert them with `sd-convert latents --preset sdxl-base`"
+                )
             context, pooled = batch["text_embeds"].float(), batch["pooled_text_embeds"].float()
         else:
             context, pooled = self.encode_text(batch["input_ids"], batch["input_ids_2"])

@@ -173,3 +173,18 @@ def test_tiny_sdxl_recipe_trains_on_the_shapes(shapes_mds):
     trainer.close()
     assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+
+
+def test_vae_encodes_in_fp32_under_fp16_autocast(model):
+    """SDXL's VAE overflows in fp16 (force_upcast): under fp16 autocast the moments are the fp32 ones."""
+    images = torch.rand(2, 3, 32, 32) * 2 - 1
+    reference = model.vae_moments(images)
+    with torch.autocast("cpu", dtype=torch.float16):
+        under_fp16 = model.vae_moments(images)
+    assert under_fp16.dtype == torch.float32 and under_fp16.equal(reference)
+
+
+def test_latents_converted_for_another_family_are_named(model):
+    batch = {"latents": torch.zeros(1, 8, 4, 4), "text_embeds": torch.zeros(1, 77, 64)}
+    with pytest.raises(ValueError, match="sd-convert latents --preset sdxl-base"):
+        model(batch)
