@@ -131,7 +131,8 @@ def build_encoders(preset: str, pretrained: str | None = None) -> dict:
 
 # The options of each objective, with their defaults: a preset of the other family refuses them.
 DDPM_OPTIONS = dict(prediction_type=None, offset_noise=0.0, min_snr_gamma=None, zero_terminal_snr=False)
-FLOW_OPTIONS = dict(timestep_mean=0.0, timestep_std=1.0, timestep_shift=1.0, loss_weighting=None)
+# timestep_shift None: the noise scheduler's shift (a loaded folder's, else the preset's).
+FLOW_OPTIONS = dict(timestep_mean=0.0, timestep_std=1.0, timestep_shift=None, loss_weighting=None)
 
 
 def _check_family_options(preset: str, given: dict) -> None:
@@ -159,7 +160,7 @@ def build_model(
     zero_terminal_snr: bool = False,
     timestep_mean: float = 0.0,
     timestep_std: float = 1.0,
-    timestep_shift: float | str = 1.0,
+    timestep_shift: float | str | None = None,
     loss_weighting: str | None = None,
     caption_drop_prob: float = 0.0,
     gradient_checkpointing: bool = False,
@@ -186,8 +187,10 @@ def build_model(
         needs v-prediction, since epsilon is not learnable at zero SNR.
     timestep_mean, timestep_std, timestep_shift, loss_weighting: the rectified-flow objective of an
         mmdit preset (models/mmdit.py): logit-normal timesteps (SD3's defaults 0, 1), shifted by
-        `timestep_shift` (1: none; "auto": by sqrt(pixels / 256^2), SD3's resolution-dependent
-        shift), and an optional loss weighting (None, "sigma_sqrt", "cosmap": diffusers' names).
+        `timestep_shift` in training and sampling alike (None: the noise scheduler's `shift`, a
+        loaded scheduler's or the preset's, SD3's 3.0; a number, 1 = none; "auto":
+        sqrt(pixels / 256^2), the SD3 paper's resolution-dependent shift, at each batch's and each
+        sample's size), and an optional loss weighting (None, "sigma_sqrt", "cosmap": diffusers' names).
     attention: "sdpa" (torch scaled_dot_product_attention, diffusers' default on torch 2) or
         "math" (the plain attention processor, for debugging or exotic devices; UNet presets only).
     low_precision_norms: "amp_bf16" or "amp_fp16" to run the denoiser's GroupNorm/LayerNorm in that

@@ -20,13 +20,15 @@ samples like `generate` with the DDIM sampler.
 An mmdit model's folder is a StableDiffusion3Pipeline's: the transformer, the VAE (its config holds
 the model's latent scale and shift, scaling_factor and shift_factor, which the pipeline decodes with),
 both CLIP encoders and tokenizers, T5 (text_encoder_3, tokenizer_3) only when the model reads it, and
-the training run's FlowMatchEulerDiscreteScheduler (its shift). Without T5, diffusers loads it only as
+the training run's FlowMatchEulerDiscreteScheduler with the shift the model trained with at its native
+size (`RectifiedFlowTransformer.shift_for`: with `timestep_shift: auto` the native size's
+sqrt(pixels / 256^2), which the pipeline then keeps at every size). Without T5, diffusers loads it only as
 `StableDiffusion3Pipeline.from_pretrained(OUT_DIR, text_encoder_3=None, tokenizer_3=None)` (its own
 way of leaving T5 off; model_index.json has them null). It samples like `generate` when called with
 `max_sequence_length=t5_tokens`: the length of the T5 part of the context the model trained with (77
 for sd3-medium, 8 for mmdit-tiny), zeros when there is no T5, which the transformer still attends to
 (its context embedder turns them into its bias), so the pipeline's default of 256 gives other
-images. OUT_DIR/README.md says both (its front matter's `max_sequence_length` is what
+images. OUT_DIR/README.md says both and the shift (its front matter's `max_sequence_length` is what
 models.generate reads back), and the export logs them.
 """
 
@@ -38,7 +40,6 @@ from pathlib import Path
 import torch
 from diffusers import (
     DDIMScheduler,
-    FlowMatchEulerDiscreteScheduler,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
@@ -188,7 +189,7 @@ def load_model_from_checkpoint(
                     f"--prediction-type {prediction_type}: preset {preset!r} predicts the flow "
                     "(rectified flow), it takes no prediction type"
                 )
-            # The rectified-flow options only shape training's timesteps: the defaults sample the same.
+            # Unrecorded: the default options, so it samples with the preset scheduler's shift.
             options = {"t5_tokens": PRESETS[preset]["t5_tokens"]}
         else:
             options = {"prediction_type": prediction_type or "epsilon"}
@@ -271,10 +272,12 @@ def _save_sd3(model: RectifiedFlowTransformer, out_dir: Path) -> None:
     """A StableDiffusion3Pipeline folder of an mmdit model, and its README.md."""
     # The pipeline decodes latents / scaling_factor + shift_factor: the model's unscale_latents.
     model.vae.register_to_config(shift_factor=float(model.latent_shift))
+    # The training run's flow-matching sampler with the shift it trained with at the model's native
+    # size: generate()'s Euler steps at that size.
+    scheduler = model.sampling_scheduler(model.native_size())
     pipeline = StableDiffusion3Pipeline(
         transformer=model.transformer,
-        # The training run's flow-matching sampler (its shift): generate()'s Euler steps.
-        scheduler=FlowMatchEulerDiscreteScheduler.from_config(model.noise_scheduler.config),
+        scheduler=scheduler,
         vae=model.vae,
         text_encoder=model.text_encoder,
         tokenizer=model.tokenizer,
@@ -295,12 +298,27 @@ def _save_sd3(model: RectifiedFlowTransformer, out_dir: Path) -> None:
     log.info(
         "wrote a StableDiffusion3Pipeline to %s: load it with StableDiffusion3Pipeline.from_pretrained(%s) "
         "and call it with max_sequence_length=%d (the model's t5_tokens; the default 256 samples other "
-        "images), as %s says",
+        "images); its scheduler's shift is %g, %s; as %s says",
         out_dir,
         "folder" if model.text_encoder_3 is not None else "folder, text_encoder_3=None, tokenizer_3=None",
         model.t5_tokens,
+        scheduler.config.shift,
+        shift_origin(model),
         out_dir / README,
     )
+
+
+def shift_origin(model: RectifiedFlowTransformer) -> str:
+    """Where an export's scheduler shift comes from, in words (the log's and the README's)."""
+    if model.timestep_shift is None:
+        return "the model's noise scheduler's, which it trained with (timestep_shift unset)"
+    if model.timestep_shift == "auto":
+        height, width = model.native_size()
+        return (
+            f"what it trained with at its native {height} x {width} px (timestep_shift: auto, "
+            "sqrt(pixels / 256^2) at each size; the pipeline keeps this one at every size)"
+        )
+    return "the timestep_shift it trained with"
 
 
 class _DropMessages(logging.Filter):
@@ -326,6 +344,14 @@ def model_card(model: RectifiedFlowTransformer) -> str:
             "it off (text_encoder_3=None, tokenizer_3=None)."
         )
         arguments = ", text_encoder_3=None, tokenizer_3=None"
+    shift = model.shift_for(model.native_size())
+    other_sizes = ""
+    if model.timestep_shift == "auto":
+        other_sizes = (
+            " To sample at another size with the shift the model trained with there: `pipe.scheduler = "
+            "FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=(height * width) ** "
+            "0.5 / 256)`."
+        )
     return f"""---
 library_name: diffusers
 pipeline_tag: text-to-image
@@ -336,6 +362,8 @@ max_sequence_length: {n}
 
 Call the pipeline with `max_sequence_length={n}`: {t5} The pipeline's default (256) gives other
 images.
+
+The scheduler's shift is {shift:g}: {shift_origin(model)}.{other_sizes}
 
 ```python
 import torch

@@ -16,12 +16,21 @@ The objective (rectified flow; the paper's sections 2 and 3.1):
     target = noise - x0 (the velocity dx_t/dt),   loss = mean over samples of w(t) x MSE.
 The timesteps are logit-normal (the paper's lognorm(m, s), eq. 19; its best, and SD3's, is m = 0,
 s = 1: more samples in the middle of the path, where the velocity is hardest to predict), then
-shifted by s = `timestep_shift` (eq. 23): s > 1 moves them towards noise, which a higher resolution
-needs since its pixels are more redundant and keep more signal at the same noise level. "auto" takes
-the paper's s = sqrt(m / n) with n = 256^2 pixels, the resolution the schedule was designed at, and m
-the batch's pixels: 1 at 256 px, 2 at 512 px, 4 at 1024 px (SD3 samples at 1024 px with 3.0, which
-its human-preference study preferred; that is the sd3-medium scheduler's `shift`). Timestep 1000 t is
-diffusers' SD3 convention (sigmas x num_train_timesteps), what the pipeline's sampler passes.
+shifted by s (eq. 23): s > 1 moves them towards noise, which a higher resolution needs since its
+pixels are more redundant and keep more signal at the same noise level. Timestep 1000 t is diffusers'
+SD3 convention (sigmas x num_train_timesteps), what the pipeline's sampler passes.
+
+One shift for training and sampling (`shift_for`): the sampler's sigmas are the same eq. 23 applied to
+a uniform grid (FlowMatchEulerDiscreteScheduler's `shift`), so a model samples with the shift it
+trained with. `timestep_shift` picks it:
+    None (the default): the noise scheduler's `shift`, a loaded folder's (SD3's 3.0, what SD3 trained
+        and samples with at 1024 px, preferred in the paper's human-preference study, section 5.3.2)
+        or the preset's (sd3-medium 3.0, mmdit-tiny 1.0);
+    a number: that shift, in training, in `generate` and in an export's scheduler;
+    "auto": the paper's s = sqrt(m / n) with n = 256^2 pixels, the resolution the schedule was
+        designed at, and m the pixels: each training batch's, and `generate`'s height x width (1 at
+        256 px, 2 at 512 px, 4 at 1024 px). An export's scheduler has one fixed shift, the model's
+        native size's (sample_size x the VAE's factor); models/export.py says so in its README.
 `loss_weighting` is None (SD3's: the logit-normal sampling already is the weighting), or diffusers'
 "sigma_sqrt" (w = t^-2) or "cosmap" (w = 2 / (pi (1 - 2t + 2t^2))), as its SD3 training script has them.
 
@@ -107,7 +116,8 @@ class RectifiedFlowTransformer(ComposerModel):
     """`transformer` trains; the VAE and text encoders are frozen and stay in eval mode.
 
     Objective options (see the module docstring): timestep_mean, timestep_std (the logit-normal's,
-    SD3's 0 and 1), timestep_shift (a number, 1 = none, or "auto": by resolution), loss_weighting
+    SD3's 0 and 1), timestep_shift (None: the noise scheduler's shift; a number, 1 = none; or
+    "auto": by resolution; training and sampling use the same, `shift_for`), loss_weighting
     (None, "sigma_sqrt", "cosmap"), caption_drop_prob (replaces a sample's condition by the empty
     caption's, which trains the unconditional branch classifier-free guidance needs; SD3: 0.1 in
     effect for the CLIPs together).
@@ -150,7 +160,7 @@ class RectifiedFlowTransformer(ComposerModel):
         tokenizer_3=None,
         timestep_mean: float = 0.0,
         timestep_std: float = 1.0,
-        timestep_shift: float | str = 1.0,
+        timestep_shift: float | str | None = None,
         loss_weighting: str | None = None,
         caption_drop_prob: float = 0.0,
     ):
@@ -159,10 +169,13 @@ class RectifiedFlowTransformer(ComposerModel):
             raise ValueError(f"caption_drop_prob must be in [0, 1], not {caption_drop_prob}")
         if not timestep_std > 0:
             raise ValueError(f"timestep_std must be positive, not {timestep_std}")
-        if timestep_shift != "auto" and (
+        if timestep_shift not in (None, "auto") and (
             isinstance(timestep_shift, bool | str) or not float(timestep_shift) > 0
         ):
-            raise ValueError(f"timestep_shift must be a positive number or 'auto', not {timestep_shift!r}")
+            raise ValueError(
+                f"timestep_shift must be None (the scheduler's), a positive number or 'auto', not "
+                f"{timestep_shift!r}"
+            )
         if loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting={loss_weighting!r}; choose one of {LOSS_WEIGHTINGS}")
         if (text_encoder_3 is None) != (tokenizer_3 is None):
@@ -197,7 +210,7 @@ class RectifiedFlowTransformer(ComposerModel):
         self.register_buffer("latent_shift", torch.tensor(float(latent_shift or 0.0)))
         self.t5_tokens = int(t5_tokens)
         self.timestep_mean, self.timestep_std = float(timestep_mean), float(timestep_std)
-        self.timestep_shift = timestep_shift if timestep_shift == "auto" else float(timestep_shift)
+        self.timestep_shift = timestep_shift if timestep_shift in (None, "auto") else float(timestep_shift)
         self.loss_weighting = loss_weighting
         self.caption_drop_prob = caption_drop_prob
         self.val_mse = MeanSquaredError()
@@ -329,8 +342,27 @@ class RectifiedFlowTransformer(ComposerModel):
 
     # -- training --------------------------------------------------------------------------------
     def shift_for(self, image_size: tuple[int, int]) -> float:
-        """The timestep shift for images of `image_size` (height, width) pixels."""
-        return resolution_shift(*image_size) if self.timestep_shift == "auto" else self.timestep_shift
+        """The timestep shift for images of `image_size` (height, width) pixels, in training and in
+        sampling alike: the noise scheduler's `shift` (timestep_shift None), `timestep_shift`, or with
+        "auto" sqrt(pixels / 256^2)."""
+        if self.timestep_shift is None:
+            return float(self.noise_scheduler.config.shift)
+        if self.timestep_shift == "auto":
+            return resolution_shift(*image_size)
+        return self.timestep_shift
+
+    def native_size(self) -> tuple[int, int]:
+        """(height, width) in pixels the transformer is sized for: `generate`'s default, the export's."""
+        side = self.transformer.config.sample_size * self.vae_scale_factor
+        return side, side
+
+    def sampling_scheduler(self, image_size: tuple[int, int]) -> FlowMatchEulerDiscreteScheduler:
+        """The Euler sampler for images of `image_size` (height, width): the noise scheduler's config
+        with `shift_for(image_size)`, so sampling shifts as training did (models/export.py writes it
+        at `native_size()`)."""
+        return FlowMatchEulerDiscreteScheduler.from_config(
+            self.noise_scheduler.config, shift=self.shift_for(image_size)
+        )
 
     def sample_timesteps(self, normal: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         """Noise levels t in (0, 1) from standard normal draws: logit-normal, then shifted."""
@@ -412,8 +444,9 @@ class RectifiedFlowTransformer(ComposerModel):
         guidance_rescale: float | None = None,
     ) -> torch.Tensor:
         """Images for `prompts` as a float tensor (B, 3, H, W) in [0, 1]: Euler steps of the flow from
-        noise (FlowMatchEulerDiscreteScheduler with `noise_scheduler`'s shift) with classifier-free
-        guidance, the steps StableDiffusion3Pipeline takes.
+        noise (`sampling_scheduler`: FlowMatchEulerDiscreteScheduler with the shift training used at
+        height x width, `shift_for`) with classifier-free guidance, the steps StableDiffusion3Pipeline
+        takes: the pipeline samples the same image when its scheduler has that shift.
 
         The initial noise comes from a CPU generator seeded with `seed` (or one per prompt with
         `seeds`), so the same seed gives the same image on any device, and the pipeline given
@@ -432,14 +465,14 @@ class RectifiedFlowTransformer(ComposerModel):
                 "guidance_rescale is not an option of flow sampling (StableDiffusion3Pipeline has none)"
             )
         device = next(self.transformer.parameters()).device
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.noise_scheduler.config)
-        scheduler.set_timesteps(num_inference_steps, device=device)
         factor = self.vae_scale_factor
-        height = height or self.transformer.config.sample_size * factor
-        width = width or self.transformer.config.sample_size * factor
+        height = height or self.native_size()[0]
+        width = width or self.native_size()[1]
         multiple = factor * self.transformer.config.patch_size
         if height % multiple or width % multiple:
             raise ValueError(f"height and width must be multiples of {multiple}, got {height} x {width}")
+        scheduler = self.sampling_scheduler((height, width))
+        scheduler.set_timesteps(num_inference_steps, device=device)
 
         n = len(prompts)
         guided = guidance_scale > 1

@@ -6,16 +6,18 @@ text_encoder_2 too), each tokenizer's source and padding, the noise-schedule con
 `prediction_type`, `zero_terminal_snr`, the latent scale and the preset name, as plain Python values.
 An "mmdit" record (models/mmdit.py) has the transformer's config in place of the UNet's, both CLIP
 encoders (each with its projection), the flow-matching scheduler's config, the latent shift,
-`t5_tokens` and the rectified-flow options (timestep_mean, timestep_std, timestep_shift,
-loss_weighting); with T5, its config and the folder its tokenizer came from (T5's weights are in the
-checkpoint, its sentencepiece tokenizer is not). `ModelRecord`, a Composer callback that the recipes
-add to every run, writes it into every checkpoint (`state["callbacks"]["ModelRecord"]`);
-`read_record(state)` gets it back and `rebuild(record)` builds that architecture. The weights come
-from the checkpoint, so `rebuild` can run under `init_empty_weights` (no random init).
+`t5_tokens` and the rectified-flow options (timestep_mean, timestep_std, timestep_shift as given:
+None for the scheduler's `shift`, a number or "auto", and loss_weighting); with T5, its config and
+the folder its tokenizer came from (T5's weights are in the checkpoint, its sentencepiece tokenizer
+is not). `ModelRecord`, a Composer callback that the recipes add to every run, writes it into every
+checkpoint (`state["callbacks"]["ModelRecord"]`); `read_record(state)` gets it back and
+`rebuild(record)` builds that architecture. The weights come from the checkpoint, so `rebuild` can
+run under `init_empty_weights` (no random init).
 
 A resumed run whose model differs from its checkpoint's record in what it predicts, in its noise
-schedule or in its rectified-flow timestep options is warned about: the checkpoint would be resumed
-with a different objective.
+schedule or in its rectified-flow timestep options (a timestep_shift of None compared as the
+scheduler's shift it stands for) is warned about: the checkpoint would be resumed with a different
+objective.
 """
 
 import logging
@@ -227,11 +229,20 @@ class ModelRecord(Callback):
     def load_state_dict(self, state: dict) -> None:
         # FLOW_OPTIONS: None == None in the records of a UNet model, which have none.
         for key in ("prediction_type", "zero_terminal_snr", *FLOW_OPTIONS):
-            if state.get(key) != self.record.get(key):
+            if _setting(state, key) != _setting(self.record, key):
                 log.warning(
                     "resuming a checkpoint recorded with %s=%r into a model with %s=%r",
                     key,
-                    state.get(key),
+                    _setting(state, key),
                     key,
-                    self.record.get(key),
+                    _setting(self.record, key),
                 )
+
+
+def _setting(record: dict, key: str):
+    """The record's `key`; an mmdit record's timestep_shift None as the scheduler's shift it means
+    (models/mmdit.py: RectifiedFlowTransformer.shift_for)."""
+    value = record.get(key)
+    if key == "timestep_shift" and value is None and record_family(record) == "mmdit":
+        return (record.get("scheduler") or {}).get("shift", 1.0)
+    return value

@@ -8,10 +8,13 @@
 
 Each grid is `<folder>/ba<N>.png` (a row per (guidance, prompt), `per_prompt` columns, the same
 seeds in every grid so that grids of one run compare picture by picture) with `ba<N>.json` beside it
-(prompts, seeds, guidance scales, steps, sampler, batch, whether EMA weights drew it), and goes to
+(prompts, seeds, guidance scales, steps, sampler, resolution, batch, whether EMA weights drew it), and goes to
 every logger through `logger.log_images` (wandb, MLflow). `folder` defaults to `samples/` under the
 checkpoint folder, else `runs/<run_name>/samples`. `sampler` defaults to the model family's: ddim
-for SD and SDXL, euler (flow-matching Euler steps, the only one) for an mmdit model.
+for SD and SDXL, euler (flow-matching Euler steps, the only one) for an mmdit model. `resolution`
+(pixels, square) defaults to the model's native size; a stage that trains below it sets its training
+resolution (yamls/sd3-medium.yaml: 256, where `timestep_shift: auto` samples with the shift it trains
+with).
 
 Sampling uses the EMA weights when the run has EMA, and leaves training exactly as it was: the
 weights are swapped back, the denoiser's train/eval mode restored and every RNG (python, numpy, torch,
@@ -49,15 +52,19 @@ class SampleGrids(Callback):
         steps: int = 25,
         sampler: str | None = None,
         folder: str | None = None,
+        resolution: int | None = None,
     ):
         # Checked here, where the config check builds it (recipes/config.py), not at the first grid.
         if not prompts:
             raise ValueError("SampleGrids needs at least one prompt")
         if sampler is not None and sampler not in SAMPLERS:
             raise ValueError(f"sampler={sampler!r} is not one of {sorted(SAMPLERS)}")
-        for name, value in (("per_prompt", per_prompt), ("steps", steps)):
+        checked = [("per_prompt", per_prompt), ("steps", steps)]
+        checked += [] if resolution is None else [("resolution", resolution)]
+        for name, value in checked:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        self.resolution = resolution
         self.prompts, self.per_prompt, self.seed = list(prompts), per_prompt, seed
         scales = [guidance] if isinstance(guidance, int | float) else guidance
         self.guidance = [float(g) for g in scales]
@@ -97,6 +104,8 @@ class SampleGrids(Callback):
                         guidance_scale=g,
                         num_inference_steps=self.steps,
                         sampler=self.sampler,
+                        height=self.resolution,  # None: the model's native size
+                        width=self.resolution,
                     )
                     for g in self.guidance
                 ]
@@ -113,6 +122,7 @@ class SampleGrids(Callback):
                 "seed": self.seed,
                 "steps": self.steps,
                 "sampler": self.sampler,
+                "resolution": int(images.shape[-1]),
                 "ema": ema is not None,
             }
             png.with_suffix(".json").write_text(json.dumps(record, indent=1))

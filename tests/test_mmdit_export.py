@@ -5,7 +5,8 @@ training run's checkpoint.
 
 On mmdit-tiny with random weights (the round trips are what is tested, not what the model learnt),
 32 px, 4 sampling steps. The fixture's model has every option away from its default where export could
-lose it: a VAE shift, a scheduler shift of 3, non-default rectified-flow options."""
+lose it: a VAE shift, a scheduler shift of 3, non-default rectified-flow options (timestep_shift auto,
+so it samples and exports with its native 32 px's shift, sqrt(32^2 / 256^2) = 0.125, not the 3)."""
 
 import json
 import logging
@@ -20,6 +21,7 @@ from PIL import Image
 from models import RectifiedFlowTransformer, build_model, export, generate
 from models.export import infer_preset, load_model_from_checkpoint, weights_family
 from models.record import describe, read_record, rebuild
+from models.tokenizer import tokenize
 
 PROMPTS = ["a red circle", "a blue square"]
 SAMPLING = dict(guidance_scale=4.0, num_inference_steps=4)
@@ -154,7 +156,7 @@ def test_pipeline_samples_like_generate(mmdit, caplog):
     assert pipe.text_encoder_3 is None and pipe.tokenizer_3 is None
     assert (
         type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
-        and pipe.scheduler.config.shift == 3.0
+        and pipe.scheduler.config.shift == 0.125  # auto at the native 32 px, as training there
     )
     assert pipe.vae.config.scaling_factor == pytest.approx(0.18215) and pipe.vae.config.shift_factor == 0.0625
     index = json.loads((folder / "model_index.json").read_text())
@@ -176,6 +178,109 @@ def test_pipeline_samples_like_generate(mmdit, caplog):
     # The pipeline's default T5 length (256 zero tokens, not the trained 8) is another image: why the
     # folder's README says the number.
     assert not torch.allclose(_pipe_images(pipe, seed=3, max_sequence_length=256), expected, atol=1e-3)
+
+
+def _timesteps_seen(model, run) -> list[torch.Tensor]:
+    """The `timestep` argument of each of the transformer's calls during `run()`."""
+    seen = []
+    handle = model.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["timestep"].clone()), with_kwargs=True
+    )
+    try:
+        run()
+    finally:
+        handle.remove()
+    return seen
+
+
+# timestep_shift -> its shift at 32 px (mmdit-tiny's native size) and at 16 px, with a scheduler shift of 3.
+SHIFTS = {None: (3.0, 3.0), 2.5: (2.5, 2.5), "auto": (0.125, 0.0625)}
+
+
+@pytest.mark.parametrize("option", list(SHIFTS), ids=str)
+def test_training_sampling_and_export_share_the_shift(option, tmp_path):
+    """One shift per size for training's timesteps, generate's sampler and the exported scheduler:
+    None the scheduler's (3 here), a number itself, auto sqrt(pixels / 256^2) at each size; the record
+    keeps the option as given and rebuilds it."""
+    from models.mmdit import seeded_flow_draws, shift_timesteps
+
+    torch.manual_seed(0)
+    model = build_model("mmdit-tiny", timestep_shift=option).eval()
+    model.noise_scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        model.noise_scheduler.config, shift=3.0
+    )
+    for size, expected in zip((32, 16), SHIFTS[option], strict=True):
+        assert model.shift_for((size, size)) == pytest.approx(expected)
+        # Training at this size: the logit-normal draws shifted by it.
+        batch = {
+            "image": torch.rand(2, 3, size, size) * 2 - 1,
+            "input_ids": tokenize(model.tokenizer, PROMPTS),
+            "input_ids_2": tokenize(model.tokenizer_2, PROMPTS),
+        }
+        with torch.no_grad():
+            _, _, t = model._diffuse(batch, seeds=[1, 2])
+        normal = seeded_flow_draws([1, 2], (4, size // 4, size // 4), "cpu")["normal"]
+        torch.testing.assert_close(t, shift_timesteps(torch.sigmoid(normal), expected))
+        # Sampling at this size: the Euler steps of a scheduler with that shift.
+        seen = _timesteps_seen(
+            model,
+            lambda size=size: model.generate(
+                PROMPTS[:1], height=size, width=size, guidance_scale=1.0, num_inference_steps=3
+            ),
+        )
+        reference = FlowMatchEulerDiscreteScheduler(shift=expected)
+        reference.set_timesteps(3)
+        torch.testing.assert_close(torch.stack([step[0] for step in seen]), reference.timesteps)
+    # The export: the native size's shift, in the scheduler config and the README.
+    export.export_pipeline(model, tmp_path / "out")
+    config = json.loads((tmp_path / "out/scheduler/scheduler_config.json").read_text())
+    assert config["shift"] == pytest.approx(SHIFTS[option][0])
+    readme = (tmp_path / "out/README.md").read_text()
+    assert f"The scheduler's shift is {SHIFTS[option][0]:g}:" in readme
+    assert ("To sample at another size" in readme) == (option == "auto")
+    # The record keeps the option as given (None, a number, "auto"), through JSON, and rebuilds it.
+    record = json.loads(json.dumps(describe(model)))
+    assert record["timestep_shift"] == option
+    assert RectifiedFlowTransformer(**rebuild(record)).timestep_shift == option
+
+
+def test_resuming_compares_the_shift_a_record_stands_for(caplog):
+    """A timestep_shift of None is its scheduler's shift: resuming a checkpoint recorded with the
+    explicit number is no change, another number is."""
+    from models.record import ModelRecord
+
+    recorded = describe(build_model("mmdit-tiny", timestep_shift=1.0))  # mmdit-tiny's scheduler: 1.0
+    default = ModelRecord(describe(build_model("mmdit-tiny")))
+    with caplog.at_level(logging.WARNING):
+        default.load_state_dict(recorded)
+    assert "timestep_shift" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        default.load_state_dict({**recorded, "timestep_shift": 3.0})
+    assert "recorded with timestep_shift=3.0 into a model with timestep_shift=1.0" in caplog.text
+
+
+def test_sample_grids_at_the_training_resolution_use_its_shift(tmp_path):
+    """SampleGrids(resolution=16) on an auto model: 16 px pictures, sampled with 16 px's shift."""
+    from types import SimpleNamespace
+
+    from recipes.samples import SampleGrids
+
+    torch.manual_seed(0)
+    model = build_model("mmdit-tiny", timestep_shift="auto").eval()
+    grids = SampleGrids(PROMPTS[:1], per_prompt=1, guidance=1.0, steps=2, folder=str(tmp_path), resolution=16)
+    state = SimpleNamespace(
+        model=model, algorithms=[], callbacks=[], run_name="x", timestamp=SimpleNamespace(batch=0)
+    )
+    logger = SimpleNamespace(log_images=lambda *args, **kwargs: None)
+    grids.fit_start(state, logger)
+    seen = _timesteps_seen(model, lambda: grids.draw(state, logger))
+    reference = FlowMatchEulerDiscreteScheduler(shift=0.0625)  # sqrt(16^2 / 256^2)
+    reference.set_timesteps(2)
+    torch.testing.assert_close(torch.stack([step[0] for step in seen]), reference.timesteps)
+    assert Image.open(tmp_path / "ba0.png").size == (16, 16)  # one picture: no grid padding
+    assert json.loads((tmp_path / "ba0.json").read_text())["resolution"] == 16
+    with pytest.raises(ValueError, match="resolution=0 must be a positive integer"):
+        SampleGrids(PROMPTS, resolution=0)
 
 
 def test_an_unrecorded_mmdit_checkpoint_is_inferred_from_its_shapes(mmdit, tmp_path, caplog):
@@ -216,7 +321,9 @@ def test_generate_cli_on_checkpoint_and_folder(mmdit, tmp_path, capsys):
     _, checkpoint, _, folder = mmdit
     loaded = generate.load_model(folder)
     assert type(loaded) is RectifiedFlowTransformer and loaded.t5_tokens == 8
-    assert float(loaded.latent_shift) == 0.0625 and loaded.noise_scheduler.config.shift == 3.0
+    # The folder's shift is the one the checkpoint samples with at its native size (auto: 0.125).
+    assert float(loaded.latent_shift) == 0.0625 and loaded.noise_scheduler.config.shift == 0.125
+    assert loaded.timestep_shift is None and loaded.shift_for((32, 32)) == 0.125
     fast = ["--n-per-prompt", "2", "--steps", "3", "--seed", "5"]  # no --sampler: the family's (euler)
     from_ckpt, from_dir = tmp_path / "ckpt.png", tmp_path / "dir.png"
     generate.main([str(checkpoint), *PROMPTS, "--out", str(from_ckpt), *fast])

@@ -82,7 +82,8 @@ def test_grids_at_the_interval_and_the_end_without_changing_training(shapes_mds,
     record = json.loads((folder / "ba4.json").read_text())
     rows = [{"guidance": g, "prompt": p} for g in (1.0, 4.0) for p in PROMPTS]
     assert record == {
-        "batch": 4, "rows": rows, "per_prompt": 3, "seed": 0, "steps": 4, "sampler": "ddim", "ema": True,
+        "batch": 4, "rows": rows, "per_prompt": 3, "seed": 0, "steps": 4, "sampler": "ddim", "resolution": 32,
+        "ema": True,
     }  # fmt: skip
     side, pad = 32, 2  # tiny model: 32 px; torchvision's grid pads 2 px
     assert Image.open(folder / "ba4.png").size == (3 * (side + pad) + pad, 4 * (side + pad) + pad)
