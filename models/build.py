@@ -1,6 +1,7 @@
 """`build_model(preset, **options)`: a preset's architecture, optionally with pretrained components,
 the objective options, and the speed/memory switches."""
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -298,11 +299,30 @@ def _parts(preset: str, pretrained: str | None, pretrained_components: list[str]
         key = "noise_scheduler" if name == "scheduler" else name
         parts[key] = load_component(name, pretrained, preset)
         log.info("loaded %s from %s", name, pretrained)
+    if family(preset) == "sdxl":
+        parts["force_zeros_for_empty_prompt"] = _pipeline_flag(
+            pretrained, "force_zeros_for_empty_prompt", True
+        )
     if "vae" in pretrained_components:  # the latent scale belongs to the VAE it was measured on
         parts["latent_scale"] = parts["vae"].config.scaling_factor
         if family(preset) == "mmdit":  # and so does SD3's shift (None in VAEs that have none)
             parts["latent_shift"] = parts["vae"].config.get("shift_factor") or 0.0
     return parts
+
+
+def _pipeline_flag(pretrained: str, key: str, default):
+    """A pipeline setting from the folder's (or hub id's) model_index.json: SDXL's
+    `force_zeros_for_empty_prompt` decides what its unconditional branch is (models/sdxl.py)."""
+    index = Path(pretrained).expanduser() / "model_index.json"
+    if not index.is_file():
+        try:
+            from huggingface_hub import hf_hub_download
+
+            index = Path(hf_hub_download(pretrained, "model_index.json"))
+        except Exception:  # noqa: BLE001 - offline or no such file: the family's default
+            log.info("model.pretrained=%s: no model_index.json; %s=%s", pretrained, key, default)
+            return default
+    return json.loads(index.read_text()).get(key, default)
 
 
 def _objective(preset: str, parts: dict, loaded, objective: dict) -> dict:

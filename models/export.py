@@ -255,8 +255,8 @@ def export_pipeline(model: StableDiffusion | RectifiedFlowTransformer, out_dir: 
             **parts,
             text_encoder_2=model.text_encoder_2,
             tokenizer_2=model.tokenizer_2,
-            # Zeros as the unconditional condition: what caption dropout trained (models/sdxl.py).
-            force_zeros_for_empty_prompt=True,
+            # The unconditional condition caption dropout trained: zeros, or the empty caption's.
+            force_zeros_for_empty_prompt=model.force_zeros_for_empty_prompt,
             add_watermarker=False,  # not saved in the folder; a loader decides for itself
         )
     else:

@@ -93,15 +93,15 @@ def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion | Rectif
         log.info("%s: loaded the pipeline's components", folder)
         return StableDiffusion(**parts).eval()
     index = json.loads((folder / "model_index.json").read_text())
-    if not index.get("force_zeros_for_empty_prompt", True):
-        log.warning(
-            "%s sets force_zeros_for_empty_prompt=false: its pipeline guides away from the empty prompt's "
-            "embedding; generate() guides away from zeros (what SDXL's caption dropout trains)",
-            folder,
-        )
     text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2", **local)
     tokenizer_2 = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", **local)
-    model = StableDiffusionXL(**parts, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
+    model = StableDiffusionXL(
+        **parts,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        # Its unconditional branch: zeros, or the empty prompt's embeddings (models/sdxl.py).
+        force_zeros_for_empty_prompt=index.get("force_zeros_for_empty_prompt", True),
+    )
     log.info("%s: loaded the SDXL pipeline's components", folder)
     return model.eval()
 

@@ -109,6 +109,8 @@ def describe(model) -> dict:
             record["tokenizer_3"] = {"source": _t5_source(model)}
     else:
         record["unet"] = _plain(model.unet.config)
+    if family == "sdxl":  # what its unconditional branch is (models/sdxl.py)
+        record["force_zeros_for_empty_prompt"] = model.force_zeros_for_empty_prompt
     if family in ("sdxl", "mmdit"):  # loaded from the same folder as the first (models.build._partners)
         record["text_encoder_2"] = model.text_encoder_2.config.to_dict()
         record["tokenizer_2"] = {"source": source, "pad_token": str(model.tokenizer_2.pad_token)}
@@ -159,6 +161,7 @@ def rebuild(record: dict) -> dict:
         config = CLIPTextConfig.from_dict(record["text_encoder_2"])
         parts["text_encoder_2"] = CLIPTextModelWithProjection(config)
         parts["tokenizer_2"] = _tokenizer(record["tokenizer_2"], "tokenizer_2")
+        parts["force_zeros_for_empty_prompt"] = record.get("force_zeros_for_empty_prompt", True)
     return parts
 
 

@@ -12,7 +12,9 @@ latents, seeded validation, guidance and samplers are the base class's):
   at its own size, which is also what generation asks for by default.
 - Caption dropout zeroes a dropped sample's context and pooled vector (SDXL's training code zeroes
   dropped embeddings), and unconditional generation uses the same zeros (the pipeline's
-  `force_zeros_for_empty_prompt`), so guidance pushes away from what training dropped to.
+  `force_zeros_for_empty_prompt`), so guidance pushes away from what training dropped to. A model
+  fine-tuned from a folder whose pipeline sets that flag false uses the empty caption's embeddings
+  for both instead, as that pipeline samples.
 
 Batch keys beyond the base class's: `input_ids_2` (tokenizer_2's ids), or with precomputed latents
 `pooled_text_embeds`; `original_size` and `crop_top_left` (LongTensor (B, 2) each), optional.
@@ -30,12 +32,25 @@ class StableDiffusionXL(StableDiffusion):
     micro_conditioning = True
 
     def __init__(
-        self, unet, vae, text_encoder, tokenizer, noise_scheduler, *, text_encoder_2, tokenizer_2, **kw
+        self,
+        unet,
+        vae,
+        text_encoder,
+        tokenizer,
+        noise_scheduler,
+        *,
+        text_encoder_2,
+        tokenizer_2,
+        force_zeros_for_empty_prompt: bool = True,
+        **kw,
     ):
         super().__init__(unet, vae, text_encoder, tokenizer, noise_scheduler, **kw)
         self.text_encoder_2 = text_encoder_2.requires_grad_(False).eval()
         self.tokenizer_2 = tokenizer_2
         self.text_encoder_2._fsdp_wrap = False
+        # The unconditional condition: zeros (SDXL base's pipeline), or the empty caption's embeddings.
+        self.force_zeros_for_empty_prompt = bool(force_zeros_for_empty_prompt)
+        self._empty_pair: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -58,6 +73,22 @@ class StableDiffusionXL(StableDiffusion):
         ids = tokenize(self.tokenizer, captions).to(device)
         ids_2 = tokenize(self.tokenizer_2, captions).to(device)
         return self.encode_text(ids, ids_2)
+
+    def unconditional(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(context, pooled) of the unconditional branch for n samples: zeros, or with
+        force_zeros_for_empty_prompt false the empty caption's (encoded once per device)."""
+        device = torch.device(device)
+        if device not in self._empty_pair:
+            context, pooled = self.encode_captions([""], device)
+            if self.force_zeros_for_empty_prompt:
+                context, pooled = torch.zeros_like(context), torch.zeros_like(pooled)
+            self._empty_pair[device] = (context, pooled)
+        context, pooled = self._empty_pair[device]
+        return context.expand(n, -1, -1), pooled.expand(n, -1)
+
+    def load_state_dict(self, *args, **kwargs):
+        self._empty_pair.clear()  # the text encoders' weights may change
+        return super().load_state_dict(*args, **kwargs)
 
     def time_ids(self, batch, n: int, image_size: tuple[int, int], device) -> torch.Tensor:
         """(n, 6) floats: (orig_h, orig_w, crop_top, crop_left, target_h, target_w) per sample."""
@@ -90,8 +121,11 @@ class StableDiffusionXL(StableDiffusion):
             context, pooled = self.encode_text(batch["input_ids"], batch["input_ids_2"])
         n, device = context.shape[0], context.device
         if drop_captions:
-            keep = (~self._drop_mask(n, device)).to(context.dtype)
-            context, pooled = context * keep[:, None, None], pooled * keep[:, None]
+            # No `if drop.any()`: that would wait for the GPU every step to save two cheap where()s.
+            drop = self._drop_mask(n, device)
+            empty_context, empty_pooled = self.unconditional(n, device)
+            context = torch.where(drop[:, None, None], empty_context.to(context.dtype), context)
+            pooled = torch.where(drop[:, None], empty_pooled.to(pooled.dtype), pooled)
         added = {"text_embeds": pooled, "time_ids": self.time_ids(batch, n, image_size, device)}
         return {"encoder_hidden_states": context, "added_cond_kwargs": added}
 
@@ -103,7 +137,7 @@ class StableDiffusionXL(StableDiffusion):
         n = len(prompts)
         context, pooled = self.encode_captions(prompts, device)
         if negative_prompt is None:
-            negative, negative_pooled = torch.zeros_like(context), torch.zeros_like(pooled)
+            negative, negative_pooled = self.unconditional(n, device)
         else:
             negative, negative_pooled = self.encode_captions([negative_prompt] * n, device)
         time_ids = self.time_ids({}, 2 * n, image_size, device)

@@ -292,3 +292,37 @@ def test_the_sdxl_lora_recipe_trains_and_exports_what_diffusers_loads(sdxl, shap
     pipe.load_lora_weights(tmp_path / "lora", weight_name="pytorch_lora_weights.safetensors")
     expected = load_model_from_checkpoint(checkpoint).generate(PROMPTS, seed=5, **SAMPLING)
     torch.testing.assert_close(_pipe_images(pipe, seed=5), expected, atol=1e-6, rtol=0)
+
+
+def test_a_folder_without_zeros_for_the_empty_prompt_keeps_its_unconditional_branch(sdxl, tmp_path):
+    """A folder whose pipeline sets force_zeros_for_empty_prompt=false (it guides away from the empty
+    prompt's embeddings): fine-tuning from it drops captions to those embeddings, generate() samples
+    as that pipeline does, and the record and export keep the flag."""
+    model, _, folder = sdxl
+    pipe = _pipeline(folder)
+    pipe.register_to_config(force_zeros_for_empty_prompt=False)
+    pipe.save_pretrained(tmp_path / "no-zeros")
+    tuned = build_model(
+        "sdxl-tiny",
+        pretrained=str(tmp_path / "no-zeros"),
+        pretrained_components=["unet", "vae", "text_encoder", "tokenizer"],
+        caption_drop_prob=1.0,
+    ).train()
+    assert tuned.force_zeros_for_empty_prompt is False
+    empty_context, empty_pooled = tuned.encode_captions([""], "cpu")
+    batch = {
+        "image": torch.zeros(2, 3, 32, 32),
+        "input_ids": tokenize(tuned.tokenizer, PROMPTS),
+        "input_ids_2": tokenize(tuned.tokenizer_2, PROMPTS),
+    }
+    condition = tuned.condition(batch, True, (32, 32))  # every caption dropped
+    assert condition["encoder_hidden_states"].equal(empty_context.expand(2, -1, -1))
+    assert condition["added_cond_kwargs"]["text_embeds"].equal(empty_pooled.expand(2, -1))
+    tuned.eval()
+    expected = tuned.generate(PROMPTS, seed=5, **SAMPLING)
+    reference = _pipeline(tmp_path / "no-zeros")
+    torch.testing.assert_close(_pipe_images(reference, seed=5), expected, atol=1e-6, rtol=0)
+    assert describe(tuned)["force_zeros_for_empty_prompt"] is False
+    export.main([str(_checkpoint_of(tuned, tmp_path / "ckpt.pt")), str(tmp_path / "export")])
+    assert _pipeline(tmp_path / "export").config.force_zeros_for_empty_prompt is False
+    assert load_model_from_checkpoint(tmp_path / "ckpt.pt").force_zeros_for_empty_prompt is False
