@@ -20,7 +20,7 @@ setup(
     version="0.1.0",
     description="Train Stable Diffusion with Composer and mosaicml-streaming, from 1 to 256 GPUs",
     python_requires=">=3.11,<3.12",
-    packages=["compat", "convert", "data", "demo", "models", "recipes"],
+    packages=["common", "compat", "convert", "data", "demo", "evaluation", "extensions", "models", "recipes"],
     py_modules=["train"],
     install_requires=requirements,
     extras_require={"laion": ["img2dataset==1.47.0"]},

@@ -3,8 +3,8 @@
 import logging
 import sys
 
+from common.secrets import install_log_redaction
 from recipes import ConfigError, load_config, train
-from recipes.secrets import install_log_redaction
 
 
 def main(argv: list[str]) -> None:

@@ -10,7 +10,7 @@ run without EMA; below a few MiB (the tiny model) it is allocator noise. Time is
 `--updates` updates run without the counting mode.
 Variants:
   none       no EMA (the baseline for memory)
-  ours       recipes.ema.EMA: trainable parameters only, one fused in-place lerp
+  ours       extensions.ema.EMA: trainable parameters only, one fused in-place lerp
   ours-bf16  the same with bf16 storage
   composer   composer.algorithms.EMA's parameter copy and update (EMAParameters + compute_ema)
   naive      per parameter `e.copy_(e * s + p * (1 - s))`, the usual hand-written update
@@ -116,7 +116,7 @@ def child(model_name: str, variant: str, updates: int) -> dict:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from recipes.ema import EMA
+    from extensions.ema import EMA
 
     model = _build(model_name)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -282,8 +282,8 @@ def part_ema() -> tuple[list[str], dict[str, float]]:
     each variant's median milliseconds per update (the offload trade-off: host memory vs time)."""
     import torch
 
+    from extensions.ema import EMA
     from models.presets import build_components
-    from recipes.ema import EMA
 
     unet = build_components("sd2-base")["unet"].cuda()
     averages, ms = {}, {}

@@ -31,13 +31,13 @@ def e2e_overrides(n: int, out: Path) -> list[str]:
         f"global_train_batch_size={8 * n}", "trainer.device_train_microbatch_size=8",
         f"trainer.max_duration={BATCHES}ba", f"trainer.save_interval={RESUME_AT}ba",
         "trainer.save_num_checkpoints_to_keep=-1",
-        "+algorithms.ema._target_=recipes.ema.EMA", "+algorithms.ema.smoothing=0.99",
+        "+algorithms.ema._target_=extensions.ema.EMA", "+algorithms.ema.smoothing=0.99",
         "data.train.num_canonical_nodes=1", "trainer.progress_bar=false",
     ]  # fmt: skip
 
 
 def run_overrides(folder: Path, deterministic: bool) -> list[str]:
-    log = f"+callbacks.loss_log={{_target_: recipes.callbacks.LossLog, path: {folder / 'loss.jsonl'}}}"
+    log = f"+callbacks.loss_log={{_target_: extensions.callbacks.LossLog, path: {folder / 'loss.jsonl'}}}"
     return [f"trainer.save_folder={folder}", log, *(["+trainer.deterministic_mode=true"] * deterministic)]
 
 
@@ -73,7 +73,7 @@ def part_e2e(n: int, out: Path, composer, deterministic: bool = False) -> tuple[
 def compare_runs(first: Path, second: Path, a: dict, b: dict, bitwise: bool) -> tuple[list[str], list[str]]:
     """Run B (resumed) against run A (uninterrupted): every resumed batch's loss, then the
     checkpoints' `model` and `algorithms` (EMA) state. (problems, lines to print)."""
-    from recipes.callbacks import read_loss_log
+    from extensions.callbacks import read_loss_log
 
     loss_a, loss_b = read_loss_log(first / "loss.jsonl"), read_loss_log(second / "loss.jsonl")
     resumed = range(RESUME_AT + 1, BATCHES + 1)

@@ -1,10 +1,10 @@
 """Composer internals we rely on, written for mosaicml (composer) 0.32.1.
 
 - `checkpoint._write_checkpoint_file(state_dict, filename)`: the one function that writes a local
-  checkpoint file. recipes/checkpointing.py wraps it to write to a temporary name and rename it into
+  checkpoint file. extensions/checkpointing.py wraps it to write to a temporary name and rename it into
   place; Composer has no hook for how a file is written.
 - `Trainer._rng_state`: the RNG state the Trainer loaded from a checkpoint and applies at the start
-  of `fit()`. recipes/callbacks.py takes it over to apply it after the first batch is fetched, where
+  of `fit()`. extensions/callbacks.py takes it over to apply it after the first batch is fetched, where
   an uninterrupted run had it (Composer would apply it before the dataloader draws its seed).
 - `MLFlowLogger._enabled` / `._run_id`: whether this rank logs to MLflow and its run's id, to set a
   failed run back to FAILED after Composer's `mlflow.end_run()` marked it FINISHED (mlflow 3).

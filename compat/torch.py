@@ -4,7 +4,7 @@
   FlatParamHandle, with `uses_sharded_strategy` and `needs_unshard()`) and
   `torch.distributed.fsdp._runtime_utils._reshard(state, handle, free_unsharded_flat_param)`. After a
   forward that expects a backward (SHARD_GRAD_OP, the root; also a no-grad evaluation) FSDP keeps
-  the gathered weights and the next forward reuses them; recipes/ema.py writes the average into the
+  the gathered weights and the next forward reuses them; extensions/ema.py writes the average into the
   shards and must make FSDP gather again (`free_gathered_weights`). FSDP's `_use_orig_params`:
   whether `parameters()` are the original parameters (views into the flat one), which the EMA needs
   (`uses_orig_params`).
@@ -16,7 +16,7 @@
 - `nn.Module._compiled_call_impl`: set by `Module.compile()` (in place); tests check it
   (`is_compiled`).
 
-`torch._foreach_*` (recipes/ema.py) is left out: documented and stable in practice.
+`torch._foreach_*` (extensions/ema.py) is left out: documented and stable in practice.
 """
 
 import importlib

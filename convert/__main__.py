@@ -79,7 +79,7 @@ def options(args):
 
 
 # This repo's top-level packages (setup.py): what -v turns to DEBUG.
-OUR_PACKAGES = ("convert", "data", "demo", "models", "recipes")
+OUR_PACKAGES = ("common", "convert", "data", "demo", "evaluation", "extensions", "models", "recipes")
 
 
 def configure_logging(verbose: bool) -> None:

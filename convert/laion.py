@@ -21,8 +21,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from common.atomic import atomic_write_bytes
 from convert import img2dataset_src
-from convert.atomic import atomic_write_bytes
 from convert.common import ConvertError, Part
 from convert.samples import METADATA_NAMES
 

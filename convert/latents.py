@@ -6,7 +6,7 @@ Training on these skips the VAE and text encoder, about 1.4x faster for SD2 (mos
 An SDXL preset (family "sdxl") writes what its UNet reads besides, as training on the
 images computes it (data/image_caption.py, models/sdxl.py): `text_embeds` (77, 2048) from both
 encoders, `pooled_text_embeds` (1280,) fp16, `original_size` (height, width) and per resolution
-`crop_top_left_{R}` (top, left) int64 (data/latents.py reads them back). An mmdit preset (family
+`crop_top_left_{R}` (top, left) int64 (data/latent_dataset.py reads them back). An mmdit preset (family
 "mmdit", models/mmdit.py) writes what RectifiedFlowTransformer reads instead of token ids, through its
 own `encode_clip` and `encode_t5`: `text_embeds` (77, 768 + 1280 for sd3-medium), both CLIPs' context
 unpadded, `pooled_text_embeds` (2048,) both pooled vectors, and, when the `--pretrained` folder has a
@@ -42,7 +42,7 @@ from convert.common import ConvertError, Part, Skipped
 from convert.latents_source import source_parts
 from data.buckets import bucket_crop, bucket_ratio, bucket_size, cover_crop
 from data.image_caption import original_size
-from data.latents import crop_column, latents_column
+from data.latent_dataset import crop_column, latents_column
 from data.transforms import Crop
 from models.mmdit import RectifiedFlowTransformer
 from models.presets import PRESETS, family, size_multiple

@@ -16,7 +16,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from convert.atomic import atomic_write_bytes
+from common.atomic import atomic_write_bytes
 from convert.common import ConvertError
 
 log = logging.getLogger(__name__)

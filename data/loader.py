@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from data.buckets import bucket_ratio, bucket_size, check_size
 from data.image_caption import ImageCaptionDataset
-from data.latents import LatentsDataset
+from data.latent_dataset import LatentsDataset
 from data.streams import check_settings, resolve_streams, streaming_settings
 
 
@@ -84,7 +84,7 @@ def build_image_caption_dataloader(
     """A DataLoader over the configured set(s) (recipes.prepare.ensure_dataset checks them);
     `batch_size` is per device; `size_multiple` is what bucket sizes must be multiples of.
     `tokenizer_2` and `micro_conditioning`: what an SDXL model reads besides (data/image_caption.py);
-    precomputed latents hold it already (data/latents.py)."""
+    precomputed latents hold it already (data/latent_dataset.py)."""
     streaming = dict(
         shuffle=cfg.shuffle,
         batch_size=batch_size,

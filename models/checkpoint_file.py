@@ -28,7 +28,7 @@ class CheckpointError(ValueError):
 def one_line_errors(prog: str, *more: type[Exception]) -> Iterator[None]:
     """A command's mistakes (a missing, truncated or foreign checkpoint, a flag it contradicts, and
     any of `more`) end `prog` with one `prog: error: ...` line and status 1, not a traceback. Every
-    CLI that reads checkpoints (models.export and .generate, recipes.evaluate, demo.evaluate) uses it."""
+    CLI that reads checkpoints (models.export and .generate, evaluation.evaluate, demo.evaluate) uses it."""
     try:
         yield
     except (CheckpointError, FileNotFoundError, IsADirectoryError, *more) as error:
@@ -94,18 +94,18 @@ def model_state(state: dict) -> dict[str, torch.Tensor]:
 
 def ema_state(state: dict) -> dict[str, torch.Tensor] | None:
     """name -> averaged tensor of the EMA algorithm, or None when the checkpoint has no average
-    (no EMA algorithm, or saved before its `ema_start`). Reads recipes.ema.EMA's state and
+    (no EMA algorithm, or saved before its `ema_start`). Reads extensions.ema.EMA's state and
     composer.algorithms.EMA's; an EMA state of any other shape is an error, never the raw weights."""
     for name, algorithm_state in state.get("algorithms") or []:
         if name != "EMA":
             continue
-        if "ema" in algorithm_state:  # recipes.ema.EMA
+        if "ema" in algorithm_state:  # extensions.ema.EMA
             return algorithm_state["ema"]
         if "ema_model" in algorithm_state:
             return _composer_ema(algorithm_state, state)[0]
         raise CheckpointError(
-            f"the checkpoint's EMA state has keys {sorted(algorithm_state)}, which neither recipes.ema.EMA "
-            "nor composer.algorithms.EMA writes; export the raw weights with --raw"
+            f"the checkpoint's EMA state has keys {sorted(algorithm_state)}, which neither "
+            "extensions.ema.EMA nor composer.algorithms.EMA writes; export the raw weights with --raw"
         )
     return None
 

@@ -18,8 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common.atomic import atomic_path
 from convert.__main__ import main as sd_convert
-from convert.atomic import atomic_path
 from convert.mds import write_mds
 from data.loader import ImageCaptionDataConfig, bucket_sizes
 from data.streams import resolve_streams

@@ -16,19 +16,19 @@ from composer.utils import dist, reproducibility
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from common.secrets import protect_config_secrets, redact
 from compat.composer import mlflow_run_id
 from data.loader import build_image_caption_dataloader
+from extensions.callbacks import IsolateEvalRng, RestoreRngOnResume
+from extensions.checkpointing import install_atomic_checkpoint_writes
 from models import build
 from models.build import MODEL_CLASSES
 from models.presets import size_multiple
 from models.record import ModelRecord, describe
-from recipes.callbacks import IsolateEvalRng, RestoreRngOnResume
-from recipes.checkpointing import install_atomic_checkpoint_writes
 from recipes.config import ConfigError, RunConfig, check_device, parse_config
 from recipes.prepare import ensure_dataset, prepare_pretrained
 from recipes.resume import remote_autoresume
 from recipes.scaling import BatchPlan, plan_batches
-from recipes.secrets import protect_config_secrets, redact
 from recipes.shm import clean_shared_memory
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     trainer = Trainer(**kwargs)
     trainer.state.callbacks.append(RestoreRngOnResume(trainer))
     trainer.state.callbacks.append(IsolateEvalRng())  # evaluating leaves training's random draws unchanged
-    params = redact(dataclasses.asdict(run))  # what wandb/MLflow show: masked (recipes/secrets.py)
+    params = redact(dataclasses.asdict(run))  # what wandb/MLflow show: masked (common/secrets.py)
     for destination in trainer.logger.destinations:
         # MLflow keeps a param per top-level key as one string; dotted keys (optimizer.lr) can be
         # compared and filtered across runs.

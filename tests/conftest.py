@@ -7,7 +7,7 @@ import pytest
 
 # Shrinks yamls/tiny-cpu.yaml to a seconds-long test run: a random VAE instead of the one the demo's
 # first stage trains (so no stage-1 run is needed), and the batch the 64-sample test set was sized for.
-# Sample grids (recipes/samples.py) are tested on their own (tests/test_samples.py), not drawn at the
+# Sample grids (extensions/sample_grids.py) are tested on their own (tests/test_samples.py), not drawn at the
 # end of every test run.
 TINY_TEST = ["model.pretrained=null", "global_train_batch_size=16", "callbacks.samples=null"]
 REPO = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from composer.utils import dist
 
+from extensions.ema import find_ema
 from recipes import load_config, train
-from recipes.ema import find_ema
 
 if __name__ == "__main__":
     out, yaml_path, *overrides = sys.argv[1:]

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from recipes.ema import EMA  # noqa: E402
+from extensions.ema import EMA  # noqa: E402
 
 
 def model() -> torch.nn.Module:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from recipes.callbacks import read_loss_log
+from extensions.callbacks import read_loss_log
 from tests.conftest import REPO, TINY_TEST
 
 BATCHES = 8  # 64 samples / 16 per batch = 4 batches an epoch: kills land mid- and across epochs
@@ -42,7 +42,7 @@ def train_command(nproc: int, out: Path, shapes_mds: Path, *extra: str, save_fol
         f"trainer.save_folder={save_folder or out / 'ckpt'}",
         "trainer.progress_bar=false",
         "algorithms.ema.half_life=3",
-        f"+callbacks.loss_log={{_target_: recipes.callbacks.LossLog, path: {out / 'loss.jsonl'}}}",
+        f"+callbacks.loss_log={{_target_: extensions.callbacks.LossLog, path: {out / 'loss.jsonl'}}}",
         f"+callbacks.key_log={{_target_: tests.probes.KeyLog, path: {out / 'keys.jsonl'}}}",
         *extra,
     ]

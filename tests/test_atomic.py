@@ -1,11 +1,11 @@
-"""convert/atomic.py: the one write-beside-then-rename helper that checkpoints, exports, datasets,
+"""common/atomic.py: the one write-beside-then-rename helper that checkpoints, exports, datasets,
 the `latest` link and the converter's markers all go through."""
 
 import os
 
 import pytest
 
-from convert.atomic import atomic_path, atomic_write_bytes, temporary_sibling
+from common.atomic import atomic_path, atomic_write_bytes, temporary_sibling
 from convert.storage import LocalStore
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compat.composer import checkpoint_file_writer, set_checkpoint_file_writer
-from recipes.checkpointing import install_atomic_checkpoint_writes
+from extensions.checkpointing import install_atomic_checkpoint_writes
 from tests.conftest import REPO
 from tests.resume_check import BATCHES, assert_same_run, kill_point, run, train_command, train_env
 

@@ -103,7 +103,7 @@ def test_tiny_recipe_makes_its_missing_vae_first(shapes_mds, tmp_path):
 def test_save_pretrained_rejects_a_model_it_cannot_export_before_training():
     from types import SimpleNamespace
 
-    from recipes.save_pretrained import SavePretrained
+    from extensions.save_pretrained import SavePretrained
 
     state = SimpleNamespace(model=build_model("tiny"))  # StableDiffusion: export it with models.export
     with pytest.raises(TypeError, match="StableDiffusion has no save_pretrained"):

@@ -9,23 +9,24 @@ import pytest
 
 from convert import __main__ as sd_convert
 from demo import evaluate as demo_evaluate
+from evaluation import evaluate, extractors
 from models import export, flops, generate
-from recipes import evaluate, extractors
 
 # module -> its argv around a checkpoint path, the rest of each command valid.
 COMMANDS = {
     "models.export": lambda ckpt, tmp, data: [str(ckpt), str(tmp / "exported")],
     "models.generate": lambda ckpt, tmp, data: [str(ckpt), "a red circle", "--out", str(tmp / "g.png")],
-    "recipes.evaluate": lambda ckpt, tmp, data: [
+    "evaluation.evaluate": lambda ckpt, tmp, data: [
         *[str(ckpt), "--data", str(data), "--out", str(tmp / "eval"), "--extractors", "tiny"]
     ],
     "demo.evaluate": lambda ckpt, tmp, data: [str(ckpt), "--out", str(tmp / "demo")],
 }
-OURS = ("convert", "data", "demo", "models", "recipes")  # setup.py's packages: what -v is for
+# setup.py's packages: what -v is for
+OURS = ("common", "convert", "data", "demo", "evaluation", "extensions", "models", "recipes")
 MAINS = {
     "models.export": export.main,
     "models.generate": generate.main,
-    "recipes.evaluate": evaluate.main,
+    "evaluation.evaluate": evaluate.main,
     "demo.evaluate": demo_evaluate.main,
 }
 
@@ -100,7 +101,7 @@ def test_odd_files_are_one_line_too(odd_files, tmp_path, capsys):
 
 @pytest.fixture
 def nothing_loads(monkeypatch):
-    """The slow steps of recipes.evaluate fail the test if they are reached."""
+    """The slow steps of evaluation.evaluate fail the test if they are reached."""
 
     def slow(what):
         def fail(*args, **kwargs):
@@ -185,7 +186,7 @@ def test_verbose_is_debug_for_this_repo_only(unconfigured_logging, shapes_mds, t
     # PIL's PNG plugin logs every chunk it reads at DEBUG: left on, they drown the output.
     assert logging.getLogger().level == logging.INFO
     assert not logging.getLogger("PIL.PngImagePlugin").isEnabledFor(logging.DEBUG)
-    assert logging.getLogger("recipes.evaluate").isEnabledFor(logging.DEBUG)
+    assert logging.getLogger("evaluation.evaluate").isEnabledFor(logging.DEBUG)
 
 
 def test_without_verbose_there_is_no_debug(unconfigured_logging, shapes_mds, tmp_path, capsys):
@@ -206,7 +207,7 @@ def test_without_verbose_there_is_no_debug(unconfigured_logging, shapes_mds, tmp
         (generate.parse_args, "python -m models.generate"),
         (export.parse_args, "python -m models.export"),
         (flops.main, "python -m models.flops"),
-        (evaluate.parse_args, "python -m recipes.evaluate"),
+        (evaluate.parse_args, "python -m evaluation.evaluate"),
         (sd_convert.main, "sd-convert"),
     ],
 )

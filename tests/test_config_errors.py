@@ -60,11 +60,11 @@ def _fails(overrides, shapes_mds, match):
         (["callbacks.samples.steps=0"], r"^callbacks.samples.steps=0 must be a positive integer$"),
         (
             ["callbacks.samples.interval=banana"],
-            r"^'callbacks.samples' \(recipes.samples.SampleGrids\): Invalid time string: banana$",
+            r"^'callbacks.samples' \(extensions.sample_grids.SampleGrids\): Invalid time string: banana$",
         ),
         (
             ["algorithms.ema.storage=fp8"],
-            r"^'algorithms.ema' \(recipes.ema.EMA\): EMA storage='fp8'; choose one of",
+            r"^'algorithms.ema' \(extensions.ema.EMA\): EMA storage='fp8'; choose one of",
         ),
         (["optimizer.lr=fast"], r"^'optimizer.lr' must be a number, got 'fast'$"),
         (["optimizer.lr=-1"], r"^'optimizer' \(torch.optim.AdamW\): Invalid learning rate: -1$"),

@@ -37,10 +37,10 @@ def test_quick_demo_learns_to_follow_the_shape(tmp_path):
     assert {row["prompt"] for row in manifest} == {"a red circle", "a green square", "a blue triangle"}
     assert len(manifest) == 12 and all((out / "samples" / row["file"]).is_file() for row in manifest)
     assert f"manifest:   {(out / 'samples/manifest.json').resolve()}" in result.stdout
-    # The training stage drew its sample grid at the end (recipes/samples.py, yamls/tiny-cpu.yaml).
+    # The training stage drew its sample grid at the end (extensions/sample_grids.py, yamls/tiny-cpu.yaml).
     grids = tmp_path / "runs/tiny-cpu/checkpoints/samples"
     assert (grids / "ba450.png").is_file() and json.loads((grids / "ba450.json").read_text())["ema"]
-    # It ends with recipes.evaluate on held-out shapes at two guidance scales, table printed.
+    # It ends with evaluation.evaluate on held-out shapes at two guidance scales, table printed.
     assert [row["guidance"] for row in summary["metrics"]] == [1, 4]
     assert all(row["n"] == 24 and row["fid"] > 0 for row in summary["metrics"])
     assert "| guidance | images | FID | KID (x1000) | CLIP score |" in result.stdout

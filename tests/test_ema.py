@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from recipes import ema as ema_module
-from recipes.ema import EMA
+from extensions import ema as ema_module
+from extensions.ema import EMA
 
 
 def _model():

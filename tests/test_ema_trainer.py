@@ -4,11 +4,11 @@ import pytest
 import torch
 from composer.core import Callback
 
+from extensions.ema import find_ema
 from recipes import build_trainer, load_config
-from recipes.ema import find_ema
 from tests.conftest import REPO, TINY_TEST
 
-EMA_OVERRIDES = ["algorithms.ema._target_=recipes.ema.EMA", "algorithms.ema.half_life=2"]
+EMA_OVERRIDES = ["algorithms.ema._target_=extensions.ema.EMA", "algorithms.ema.half_life=2"]
 
 
 def _overrides(shapes_mds, tmp_path, *extra):

@@ -1,4 +1,4 @@
-"""recipes.evaluate: FID / KID / CLIP score with the tiny extractors, on 1 and 2 processes, resumed."""
+"""evaluation.evaluate: FID / KID / CLIP score with the tiny extractors, on 1 and 2 processes, resumed."""
 
 import json
 import os
@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from recipes import evaluate, extractors
-from recipes.image_metrics import KEYS, fid, kid
+from evaluation import evaluate, extractors
+from evaluation.image_metrics import KEYS, fid, kid
 from tests.conftest import REPO
 from tests.resume_check import COMPOSER, train_env
 
@@ -75,7 +75,7 @@ def launch(source, data, out, nproc: int = 2) -> subprocess.Popen:
         "-n",
         str(nproc),
         "-m",
-        "recipes.evaluate",
+        "evaluation.evaluate",
         str(source),
         "--data",
         str(data),

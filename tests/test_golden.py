@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from extensions.callbacks import read_loss_log
 from recipes import build_trainer, load_config
-from recipes.callbacks import read_loss_log
 from tests.conftest import REPO, tiny_run
 
 GOLDEN = Path(__file__).parent / "golden/tiny-losses.json"
@@ -36,7 +36,7 @@ def _losses(shapes_mds: Path, out: Path) -> list[float]:
     log = out / "loss.jsonl"
     overrides = [
         *tiny_run(shapes_mds, BATCHES),
-        f"+callbacks.loss_log={{_target_: recipes.callbacks.LossLog, path: {log}}}",
+        f"+callbacks.loss_log={{_target_: extensions.callbacks.LossLog, path: {log}}}",
     ]
     trainer = build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", overrides))
     trainer.fit()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.latents import LatentsDataset
+from data.latent_dataset import LatentsDataset
 from recipes import load_config, parse_config
 from recipes.prepare import prepare_sd2_latents
 from tests.conftest import REPO

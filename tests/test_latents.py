@@ -6,7 +6,7 @@ import torch
 
 from convert.latents import _pixels, columns, iter_samples
 from convert.mds import write_mds
-from data.latents import LatentsDataset
+from data.latent_dataset import LatentsDataset
 from data.streaming_base import StreamingBase
 from models import build_model
 from models.tokenizer import tokenize

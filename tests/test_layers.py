@@ -1,14 +1,16 @@
 """The library's layering, read from the source with ast (nothing is imported):
 
-    compat < models < data < convert < recipes < demo
+    compat < common < models < data < convert < extensions < evaluation < recipes < demo
 
 compat holds every use of a library's private API (tests/test_compat.py): all may use it, it uses
-none of ours. A package may import itself and the packages to its left, never one to its right, nor the entry
-points above them all (train.py, bench/, tests/). Imports inside functions count: they run too, and
-one of them once hid the cycle convert.__main__ -> convert.latents -> data.image_caption ->
-data.synthetic -> convert.__main__. No file-level import cycle is allowed either, even inside one
-package. An import names the longest project module it reaches (`from models import build` is the
-file models/build.py when there is one, else the package models).
+none of ours. common holds the utilities every layer may use (atomic writes, secrets). extensions
+are our Composer extensions (callbacks, EMA, sample grids), evaluation the image metrics, recipes
+what builds a run from a config. A package may import itself and the packages to its left, never
+one to its right, nor the entry points above them all (train.py, bench/, tests/). Imports inside
+functions count: they run too, and can hide a cycle (convert.__main__ -> convert.latents ->
+data.image_caption -> data.synthetic -> convert.__main__ is one). No file-level import cycle is
+allowed either, even inside one package. An import names the longest project module it reaches
+(`from models import build` is the file models/build.py when there is one, else the package models).
 """
 
 import ast
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-LAYERS = ("compat", "models", "data", "convert", "recipes", "demo")
+LAYERS = ("compat", "common", "models", "data", "convert", "extensions", "evaluation", "recipes", "demo")
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -188,3 +190,14 @@ def test_the_checker_sees_hidden_upward_imports_and_cycles(tmp_path):
     assert graph["data.image_caption"] == {"data.synthetic", "models", "models.tokenizer"}
     assert cycles(graph) == [["convert.__main__", "convert.latents", "data.image_caption", "data.synthetic"]]
     assert cycles(package_graph(graph)) == [["convert", "data"]]
+
+
+def test_no_two_modules_share_a_name():
+    """A name says which module it is: `samples.py` in two packages, or `evaluate.py`, made readers
+    (and tracebacks) ambiguous. Package markers aside, every module of the layered packages has a name
+    of its own."""
+    names: dict[str, list[str]] = {}
+    for module, path in project_modules(REPO).items():
+        if path.stem not in ("__init__", "__main__"):
+            names.setdefault(path.stem, []).append(module)
+    assert {name: where for name, where in names.items() if len(where) > 1} == {}

@@ -5,10 +5,10 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 
+from extensions.ema import find_ema
 from models.export import load_model_from_checkpoint
 from models.export import main as export
 from recipes import build_trainer, load_config
-from recipes.ema import find_ema
 from tests.conftest import REPO
 
 PROMPTS = ["a red circle", "a blue square"]

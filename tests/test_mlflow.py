@@ -11,10 +11,10 @@ import pytest
 from composer.core import Callback
 from PIL import Image
 
+from common import secrets as secrets_module
+from common.secrets import MASK
+from extensions.callbacks import read_loss_log
 from recipes import load_config, train
-from recipes import secrets as secrets_module
-from recipes.callbacks import read_loss_log
-from recipes.secrets import MASK
 from tests.conftest import REPO, tiny_run
 
 BATCHES = 4
@@ -64,7 +64,7 @@ def test_mlflow_store_holds_masked_params_metrics_mfu_and_an_image(
         *tiny_run(shapes_mds, BATCHES),
         "callbacks.speed_monitor.window_size=1",
         "callbacks.speed_monitor.gpu_flops_available=1.0e12",
-        f"+callbacks.loss_log={{_target_: recipes.callbacks.LossLog, path: {tmp_path / 'loss.jsonl'}}}",
+        f"+callbacks.loss_log={{_target_: extensions.callbacks.LossLog, path: {tmp_path / 'loss.jsonl'}}}",
         "+callbacks.probe._target_=tests.test_mlflow.ImageProbe",
         f"+callbacks.probe.api_key={CONFIG_SECRET}",
         f"+callbacks.probe.webhook='{webhook}'",
@@ -114,7 +114,7 @@ def test_mlflow_store_holds_masked_params_metrics_mfu_and_an_image(
 def test_a_run_that_fails_is_flushed_and_marked_failed(shapes_mds, tmp_path, monkeypatch, no_config_secrets):
     from mlflow.tracking import MlflowClient
 
-    from recipes.callbacks import NonFiniteLossError
+    from extensions.callbacks import NonFiniteLossError
 
     store = f"file://{tmp_path / 'mlruns'}"
     overrides = [

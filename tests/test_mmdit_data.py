@@ -14,7 +14,7 @@ from torch.utils.data import default_collate
 
 from convert.common import ConvertError
 from convert.latents import columns, convert_latents, has_t5, load_encoders, pixel_sizes, preset_columns
-from data.latents import LatentsDataset
+from data.latent_dataset import LatentsDataset
 from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader
 from models import build_model
 from models.presets import PRESETS, size_multiple

@@ -1,6 +1,6 @@
 """The mmdit family (issue 26) beyond training: the checkpoint's record, export to a diffusers
 StableDiffusion3Pipeline folder that samples our generate()'s image, EMA and raw exports,
-models.generate and recipes.evaluate on checkpoints and folders, T5 through all of them, and a
+models.generate and evaluation.evaluate on checkpoints and folders, T5 through all of them, and a
 training run's checkpoint.
 
 On mmdit-tiny with random weights (the round trips are what is tested, not what the model learnt),
@@ -31,7 +31,7 @@ OPTIONS = dict(timestep_mean=0.3, timestep_std=0.8, timestep_shift="auto", loss_
 
 def _checkpoint_of(model, path, ema: dict | None = None):
     """What a Composer checkpoint holds for export: the weights, the ModelRecord callback's record and,
-    with `ema`, recipes.ema.EMA's average (tests/test_sdxl_export.py does the same for SDXL)."""
+    with `ema`, extensions.ema.EMA's average (tests/test_sdxl_export.py does the same for SDXL)."""
     algorithms = [] if ema is None else [("EMA", {"start_batch": 0, "ema": ema, "smoothing": 0.5})]
     state = {
         "model": model.state_dict(),
@@ -263,7 +263,7 @@ def test_sample_grids_at_the_training_resolution_use_its_shift(tmp_path):
     """SampleGrids(resolution=16) on an auto model: 16 px pictures, sampled with 16 px's shift."""
     from types import SimpleNamespace
 
-    from recipes.samples import SampleGrids
+    from extensions.sample_grids import SampleGrids
 
     torch.manual_seed(0)
     model = build_model("mmdit-tiny", timestep_shift="auto").eval()
@@ -396,9 +396,9 @@ def test_a_model_with_t5_round_trips(mmdit, tmp_path):
 
 @pytest.mark.heavy  # builds the tiny Inception and CLIP scorers (~10 CPU-seconds)
 def test_evaluate_an_mmdit_checkpoint_and_its_folder(mmdit, shapes_mds, tmp_path):
-    """recipes.evaluate on the checkpoint and on its export: the family's sampler (euler) and native
+    """evaluation.evaluate on the checkpoint and on its export: the family's sampler (euler) and native
     size (32 px) by default, the same images and metrics from both."""
-    from recipes import evaluate
+    from evaluation import evaluate
 
     _, checkpoint, _, folder = mmdit
     args = ["--data", str(shapes_mds / "mds"), "--num-captions", "4", "--guidance", "3", "--steps", "2"]
@@ -430,7 +430,7 @@ def test_a_training_run_records_and_exports_the_mmdit_model(shapes_mds, tmp_path
         "trainer.save_filename=ckpt.pt",
         "scheduler.t_warmup=0ba",  # the recipe's warmup would train these batches at lr 0
         "algorithms.ema.half_life=2ba",
-        "+callbacks.samples={_target_: recipes.samples.SampleGrids}",
+        "+callbacks.samples={_target_: extensions.sample_grids.SampleGrids}",
         f"+callbacks.samples.prompts=[{','.join(PROMPTS)}]",
         "+callbacks.samples.per_prompt=1",
         "+callbacks.samples.steps=2",

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from extensions.callbacks import NaNGuard, NonFiniteLossError
 from recipes import build_trainer, load_config
-from recipes.callbacks import NaNGuard, NonFiniteLossError
 from tests.conftest import REPO
 
 BATCHES = 5

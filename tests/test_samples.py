@@ -1,4 +1,4 @@
-"""Sample grids while training (recipes/samples.py): at the right batches, from the EMA weights,
+"""Sample grids while training (extensions/sample_grids.py): at the right batches, from the EMA weights,
 with a JSON that says what they show, logged to every logger, and without changing training."""
 
 import json
@@ -9,9 +9,9 @@ from composer.core import Callback
 from composer.loggers import LoggerDestination
 from PIL import Image
 
+from extensions.callbacks import read_loss_log
+from extensions.ema import find_ema
 from recipes import build_trainer, load_config
-from recipes.callbacks import read_loss_log
-from recipes.ema import find_ema
 from tests.conftest import REPO, tiny_run
 
 BATCHES = 5
@@ -47,12 +47,12 @@ def _train(shapes_mds, out, samples: bool, *extra):
     overrides = [
         *tiny_run(shapes_mds, BATCHES),
         "algorithms.ema.half_life=2ba",
-        f"+callbacks.loss_log={{_target_: recipes.callbacks.LossLog, path: {out / 'loss.jsonl'}}}",
+        f"+callbacks.loss_log={{_target_: extensions.callbacks.LossLog, path: {out / 'loss.jsonl'}}}",
         *extra,
     ]
     if samples:  # tiny_run switches them off; put them back, small
         overrides += [
-            "+callbacks.samples={_target_: recipes.samples.SampleGrids}",
+            "+callbacks.samples={_target_: extensions.sample_grids.SampleGrids}",
             f"+callbacks.samples.prompts=[{','.join(PROMPTS)}]",
             "+callbacks.samples.interval=2ba",
             "+callbacks.samples.per_prompt=3",
@@ -117,7 +117,7 @@ class _EmaAt(Callback):
 
 
 def test_a_model_that_cannot_generate_is_refused():
-    from recipes.samples import SampleGrids
+    from extensions.sample_grids import SampleGrids
 
     state = type("State", (), {"model": torch.nn.Linear(1, 1), "callbacks": [], "run_name": "x"})()
     with pytest.raises(TypeError, match="needs a model that generates; Linear does not"):

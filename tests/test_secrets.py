@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from recipes import secrets
-from recipes.secrets import MASK, RedactingFilter, protect_config_secrets, redact
+from common import secrets
+from common.secrets import MASK, RedactingFilter, protect_config_secrets, redact
 from tests.conftest import REPO, TINY_TEST
 from tests.resume_check import run
 from tests.s3_server import ACCESS_KEY, BUCKET, SECRET_KEY, s3_server  # noqa: F401  (fixture)

@@ -7,10 +7,10 @@ import torch
 from composer.utils import reproducibility
 
 import train as train_py
+from extensions.callbacks import read_loss_log
+from extensions.ema import ema_weights
 from models import build_model
 from models.export import load_model_from_checkpoint
-from recipes.callbacks import read_loss_log
-from recipes.ema import ema_weights
 from tests.conftest import REPO, TINY_TEST
 from tests.resume_check import BATCHES
 
@@ -68,7 +68,8 @@ def test_train_py_trains_the_run_it_is_given_and_its_checkpoint_loads_the_traine
             "trainer.max_duration=3ba",
             f"trainer.save_folder={tmp_path / 'ckpt'}",
             "trainer.progress_bar=false",
-            f"+callbacks.loss_log={{_target_: recipes.callbacks.LossLog, path: {tmp_path / 'loss.jsonl'}}}",
+            "+callbacks.loss_log={_target_: extensions.callbacks.LossLog, "
+            f"path: {tmp_path / 'loss.jsonl'}}}",
         ]
     )
     trainer = built["trainer"]

@@ -9,9 +9,9 @@ import pytest
 import torch
 from composer.core import Callback
 
+from extensions.callbacks import read_loss_log
 from models import build_model
 from recipes import build_trainer, load_config
-from recipes.callbacks import read_loss_log
 from tests.conftest import REPO, tiny_run
 
 BATCHES = 4
@@ -80,7 +80,7 @@ class _DrawsDuringEval(Callback):
 def _run(shapes_mds, tmp_path, *extra, callbacks=()):
     overrides = [
         *tiny_run(shapes_mds, BATCHES),
-        f"+callbacks.loss_log={{_target_: recipes.callbacks.LossLog, path: {tmp_path / 'loss.jsonl'}}}",
+        f"+callbacks.loss_log={{_target_: extensions.callbacks.LossLog, path: {tmp_path / 'loss.jsonl'}}}",
         *extra,
     ]
     trainer = build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", overrides))

@@ -1,10 +1,10 @@
 """FID, KID and CLIP score of a checkpoint (or exported pipeline) on an MDS image-caption set.
 
-    python -m recipes.evaluate CHECKPOINT_OR_PIPELINE_DIR --data MDS_DIR_OR_S3 --out DIR \\
+    python -m evaluation.evaluate CHECKPOINT_OR_PIPELINE_DIR --data MDS_DIR_OR_S3 --out DIR \\
         [--n 30000] [--guidance 3 5 8] [--steps 50] [--sampler ddim|euler|dpm++] \\
         [--resolution 512] [--seed 2023] [--inception-weights PATH] [--clip-model PATH] \\
         [--extractors real|tiny] [--protocol mlperf]
-    composer -n 8 -m recipes.evaluate ... --num-captions 30000   # split across 8 processes
+    composer -n 8 -m evaluation.evaluate ... --num-captions 30000   # split across 8 processes
 
 One image per caption of `--n` rows of the set (all rows when it has fewer; otherwise drawn with
 `--seed`), for each guidance scale. The image of row i starts from noise seeded with seed + i, and
@@ -20,7 +20,7 @@ resolution to the model's native size; checkpoints and exported folders of every
 `--protocol mlperf`: MLPerf Training's Stable Diffusion settings (30,000 captions drawn with seed
 2023, DDIM 50 steps, guidance 8, 512 px; targets FID <= 90, CLIP score >= 0.15) on the set given,
 e.g. COCO-2014 val written by `sd-convert coco` (an mmdit model samples with its Euler steps).
-`--extractors tiny`: random stand-in networks (recipes/extractors.py) for tests and the CPU demo;
+`--extractors tiny`: random stand-in networks (evaluation/extractors.py) for tests and the CPU demo;
 their numbers are not comparable to papers'.
 """
 
@@ -38,16 +38,16 @@ from torchvision import transforms
 from torchvision.utils import save_image
 from tqdm import tqdm
 
+from common.atomic import atomic_path, atomic_write_bytes
 from compat.composer import torch_device as compat_torch_device
-from convert.atomic import atomic_path, atomic_write_bytes
+from evaluation import extractors
+from evaluation.image_metrics import scores, write_report
 from models.checkpoint_file import one_line_errors
 from models.export import add_weight_args
 from models.generate import SamplerError, check_source, load_model, sampler_for
 from models.stable_diffusion import SAMPLERS
-from recipes import extractors
-from recipes.image_metrics import scores, write_report
 
-log = logging.getLogger("recipes.evaluate")  # not "__main__" under python -m
+log = logging.getLogger("evaluation.evaluate")  # not "__main__" under python -m
 
 # sampler None: the model family's (models.generate.sampler_for); resolution None: the model's size.
 DEFAULTS = dict(n=30_000, guidance=[8.0], steps=50, sampler=None, resolution=None, seed=2023)
@@ -55,7 +55,7 @@ PROTOCOLS = {  # MLPerf Training v4.x, stable_diffusion reference (mlcommons/tra
     "mlperf": dict(DEFAULTS, resolution=512, targets={"fid": 90.0, "clip_score": 0.15}),
 }
 SAMPLE_COLUMNS = 8  # images per guidance scale in samples.png
-PROG = "python -m recipes.evaluate"
+PROG = "python -m evaluation.evaluate"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -320,7 +320,7 @@ def evaluate(args) -> list[dict] | None:
 def main(argv: list[str] | None = None) -> list[dict] | None:
     # open_clip and streaming log setup chatter at INFO to the root logger; ours stays at INFO.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for name in ("recipes", "models"):
+    for name in ("evaluation", "models"):
         logging.getLogger(name).setLevel(logging.INFO)
     args = parse_args(argv)
     with one_line_errors(PROG, SettingsChanged, SamplerError):  # MissingWeights is a FileNotFoundError

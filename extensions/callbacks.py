@@ -13,8 +13,8 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import checkpoint, dist, format_name_with_dist, reproducibility
 
+from common.atomic import atomic_path
 from compat.composer import take_loaded_rng_state
-from convert.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 

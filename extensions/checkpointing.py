@@ -11,8 +11,8 @@ either is complete or does not exist.
 import functools
 import logging
 
+from common.atomic import atomic_path
 from compat.composer import checkpoint_file_writer, set_checkpoint_file_writer
-from convert.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """Latents benchmark: `sd-convert latents` in 2 processes against 1, on the CPU, tiny preset.
 
-    python bench/latents.py [--samples 512] [--inputs 8] [--size 96x64] [--resolution 64] [--repeats 3]
+    python bench/convert_latents.py [--samples 512] [--inputs 8] [--size 96x64] [--resolution 64] \
+        [--repeats 3]
 
 Input: an MDS image-caption set of distinct JPEG photos, written by the folder converter in
 --inputs inputs (made here, in a temp folder). Variants (each timed end to end: forking the workers,

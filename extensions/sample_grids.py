@@ -2,7 +2,7 @@
 
     callbacks:
       samples:
-        _target_: recipes.samples.SampleGrids
+        _target_: extensions.sample_grids.SampleGrids
         prompts: ["a photo of a cat", ...]
         interval: 5000ba
 
@@ -33,10 +33,10 @@ from composer.loggers import Logger
 from composer.utils import create_interval_scheduler, dist, format_name_with_dist
 from torchvision.utils import save_image
 
+from extensions.callbacks import preserved_rng
+from extensions.ema import find_ema
 from models.generate import sample_grid, sampler_for
 from models.stable_diffusion import SAMPLERS
-from recipes.callbacks import preserved_rng
-from recipes.ema import find_ema
 
 log = logging.getLogger(__name__)
 

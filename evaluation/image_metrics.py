@@ -1,6 +1,6 @@
 """FID, KID and CLIP score from features, and the report files of an evaluation.
 
-The features are computed image by image elsewhere (recipes/evaluate.py), so they can be gathered
+The features are computed image by image elsewhere (evaluation/evaluate.py), so they can be gathered
 from every rank in one order and reused after a restart; torchmetrics does the statistics on them:
 its FID and KID take a feature extractor module, and `Precomputed` is the identity.
 """
@@ -15,7 +15,7 @@ from torch import nn
 from torchmetrics.image.fid import FrechetInceptionDistance
 from torchmetrics.image.kid import KernelInceptionDistance
 
-from convert.atomic import atomic_write_bytes
+from common.atomic import atomic_write_bytes
 
 KID_SUBSET_SIZE, KID_SUBSETS = 1000, 100  # torch-fidelity's and torchmetrics' defaults
 KEYS = ("guidance", "n", "fid", "kid_mean", "kid_std", "clip_score")

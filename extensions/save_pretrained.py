@@ -10,7 +10,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from convert.atomic import atomic_path
+from common.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,2 @@
+"""Image metrics of a trained model: `python -m evaluation.evaluate` (FID, KID, CLIP score against a
+reference set), the feature extractors it loads, and the metric arithmetic."""
