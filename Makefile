@@ -47,7 +47,7 @@ test-fast: install
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) -m "$(FAST_TIER)" --durations=10
 
 # The GPU path measured and checked (bench/gpu_check.py); exits with one line where there is no CUDA.
-# `make gpu-check PRESET=sdxl-base` measures the SDXL recipe's throughput instead.
+# `make gpu-check PRESET=sdxl-base` (or sd3-medium) measures that recipe's throughput instead.
 PRESET ?= sd2-base
 gpu-check: install
 	$(PY) bench/gpu_check.py --preset $(PRESET)

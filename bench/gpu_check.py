@@ -2,10 +2,12 @@
 
     python bench/gpu_check.py [--out runs/gpu-check] [--parts throughput e2e ema] [--quick]
                                 [--variants TEXT ...] [--resolutions 256 512]
-                                [--deterministic] [--preset sd2-base|sdxl-base]
+                                [--deterministic] [--preset sd2-base|sdxl-base|sd3-medium]
 
 `--preset sdxl-base` measures yamls/sdxl-base.yaml instead (throughput only, at 512 and 1024 px:
-its FSDP recipe and SDXL_VARIANTS, random SDXL-shaped latents with pooled text and micro-conditioning).
+its FSDP recipe and SDXL_VARIANTS, random SDXL-shaped latents with pooled text and micro-conditioning);
+`--preset sd3-medium` yamls/sd3-medium.yaml (at 256 and 512 px, SD3_VARIANTS, random 16-channel
+latents with the CLIP context and pooled vector).
 
 1. throughput: bench/throughput.py (each variant its own `composer -n GPUS` process) on sd2-base,
    bf16, precomputed latents (random, `data.prepare: sd2-latents`): img/s per GPU, MFU (UNet
@@ -77,6 +79,15 @@ SDXL_VARIANTS = {
     "channels_last": ["model.channels_last=true"],
     "compile": ["model.compile_unet=true"],
 }
+# SD3 medium's recipe is FSDP (full shard, one unit per joint block) without activation checkpointing
+# at 256 px: what the sharding costs, what checkpointing would, and compile.
+SD3_VARIANTS = {
+    "baseline (FSDP full shard per joint block)": [],
+    "SHARD_GRAD_OP": ["trainer.parallelism_config.fsdp.sharding_strategy=SHARD_GRAD_OP"],
+    "activation checkpointing, 2x microbatch": ["model.activation_checkpointing=blocks", "MICROBATCH_X2"],
+    "2x microbatch": ["MICROBATCH_X2"],
+    "compile": ["model.compile_unet=true"],
+}
 # What `--preset` measures: its recipe, random latents (recipes/prepare.py), microbatch per
 # resolution, variants and anchors (img/s per GPU and where the number comes from; none public for SDXL).
 TARGETS = {
@@ -92,6 +103,13 @@ TARGETS = {
         data="sdxl-latents",
         microbatch={512: 8, 1024: 2},
         variants=SDXL_VARIANTS,
+        anchors={},
+    ),
+    "sd3-medium": dict(
+        recipe="yamls/sd3-medium.yaml",
+        data="sd3-latents",
+        microbatch={256: 32, 512: 8},
+        variants=SD3_VARIANTS,
         anchors={},
     ),
 }
@@ -353,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--preset", choices=sorted(TARGETS), default="sd2-base",
-        help="the recipe measured: sd2-base (all parts) or sdxl-base (throughput at 512 and 1024 px)",
+        help="the recipe measured: sd2-base (all parts), sdxl-base (throughput at 512 and 1024 px) or "
+        "sd3-medium (throughput at 256 and 512 px)",
     )  # fmt: skip
     parser.add_argument(
         "--resolutions", nargs="+", type=int, choices=(256, 512, 1024),

@@ -51,6 +51,19 @@ def test_every_sdxl_variant_is_a_valid_config(variant, resolution):
     assert run.trainer["device_train_microbatch_size"] == micro and run.global_train_batch_size == 8 * micro
 
 
+@pytest.mark.parametrize("resolution", [256, 512])
+@pytest.mark.parametrize("variant", list(gpu_check.SD3_VARIANTS))
+def test_every_sd3_variant_is_a_valid_config(variant, resolution):
+    micro, overrides = gpu_check.variant_overrides(
+        8, resolution, gpu_check.SD3_VARIANTS[variant], "sd3-medium"
+    )
+    bench = ["model.pretrained=null", "data.train.remote=null", "trainer.save_folder=null"]
+    run = parse_config(load_config(REPO / "yamls/sd3-medium.yaml", [*overrides, *bench]))
+    assert run.model["preset"] == "sd3-medium" and run.data.train.latents and not run.data.train.buckets
+    assert run.data.train.prepare == "sd3-latents" and run.data.train.resolution == resolution
+    assert run.trainer["device_train_microbatch_size"] == micro and run.global_train_batch_size == 8 * micro
+
+
 def test_sdxl_latents_hand_the_model_what_it_reads(tmp_path):
     """The random SDXL latents give the model a batch it trains on: context, pooled vector and
     micro-conditioning, with the sdxl-base shapes."""
