@@ -100,6 +100,15 @@ def test_the_sdxl_base_recipe_plans_on_8_to_256_gpus(capsys):
     assert table == {str(n): [str(2048 // n), "4", str(2048 // n // 4)] for n in GPUS}
 
 
+def test_the_sd3_medium_recipe_plans_on_8_to_256_gpus(capsys):
+    main([str(REPO / "yamls/sd3-medium.yaml"), "--gpus", *map(str, GPUS), "--img-per-sec-per-gpu", "50"])
+    out = capsys.readouterr().out
+    assert (
+        "error" not in out
+        and sum(line.split()[:1] in ([str(n)] for n in GPUS) for line in out.splitlines()) == 6
+    )
+
+
 def test_an_error_row_has_no_days_or_cost_and_the_planner_exits_1(sd2_yaml, capsys):
     args = [str(sd2_yaml), "--img-per-sec-per-gpu", "137.5", "--gpus", "8", "24"]
     with pytest.raises(SystemExit) as exit_:
