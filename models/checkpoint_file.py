@@ -28,7 +28,7 @@ class CheckpointError(ValueError):
 def one_line_errors(prog: str, *more: type[Exception]) -> Iterator[None]:
     """A command's mistakes (a missing, truncated or foreign checkpoint, a flag it contradicts, and
     any of `more`) end `prog` with one `prog: error: ...` line and status 1, not a traceback. Every
-    CLI that reads checkpoints (models.export and .generate, evaluation.evaluate, demo.evaluate) uses it."""
+    CLI that reads checkpoints (models.export and .generate, evaluation.evaluate, demo.judge) uses it."""
     try:
         yield
     except (CheckpointError, FileNotFoundError, IsADirectoryError, *more) as error:

@@ -8,7 +8,7 @@ import zipfile
 import pytest
 
 from convert import __main__ as sd_convert
-from demo import evaluate as demo_evaluate
+from demo import judge as demo_judge
 from evaluation import evaluate, extractors
 from models import export, flops, generate
 
@@ -19,7 +19,7 @@ COMMANDS = {
     "evaluation.evaluate": lambda ckpt, tmp, data: [
         *[str(ckpt), "--data", str(data), "--out", str(tmp / "eval"), "--extractors", "tiny"]
     ],
-    "demo.evaluate": lambda ckpt, tmp, data: [str(ckpt), "--out", str(tmp / "demo")],
+    "demo.judge": lambda ckpt, tmp, data: [str(ckpt), "--out", str(tmp / "demo")],
 }
 # setup.py's packages: what -v is for
 OURS = ("common", "convert", "data", "demo", "evaluation", "extensions", "models", "recipes")
@@ -27,7 +27,7 @@ MAINS = {
     "models.export": export.main,
     "models.generate": generate.main,
     "evaluation.evaluate": evaluate.main,
-    "demo.evaluate": demo_evaluate.main,
+    "demo.judge": demo_judge.main,
 }
 
 

@@ -7,7 +7,7 @@ import torch
 
 from data.synthetic import COLORS, SHAPES, draw_shape
 from demo.classifier import accuracy, classify, parse_caption
-from demo.evaluate import judge
+from demo.judge import judge
 
 
 def _images(n: int, seed: int):

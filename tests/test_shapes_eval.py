@@ -1,4 +1,4 @@
-"""demo/evaluate.py writes one PNG per sample and a manifest that matches them."""
+"""demo/judge.py writes one PNG per sample and a manifest that matches them."""
 
 import json
 import random
@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from data.synthetic import draw_shape
-from demo.evaluate import evaluate
+from demo.judge import evaluate
 
 
 class _Painter:

@@ -1,6 +1,6 @@
 """Does a model trained on the synthetic shapes draw what its prompt asks for?
 
-    python -m demo.evaluate CHECKPOINT_OR_DIR --out runs/demo/eval [--per-prompt 6] [--seed 0]
+    python -m demo.judge CHECKPOINT_OR_DIR --out runs/demo/eval [--per-prompt 6] [--seed 0]
 
 Generates `per_prompt` images for every "a {colour} {shape}" prompt (EMA weights when the checkpoint
 has them), judges each with the deterministic pixel classifier of demo/classifier.py, and
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     from models.checkpoint_file import one_line_errors
     from models.generate import load_model
 
-    prog = "python -m demo.evaluate"
+    prog = "python -m demo.judge"
     parser = argparse.ArgumentParser(
         prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
