@@ -152,8 +152,7 @@ def _init_worker(job: Job, counter, slots, parent: int) -> None:
     # Pool.terminate() ends workers with SIGTERM. A handler inherited from the parent (importing
     # Composer installs one that raises SystemExit) would run the parent's copied multiprocessing
     # finalizers instead of dying, and one of them can wait forever on a thread that did not survive
-    # the fork: the conversion then hung at its end (seen in the test suite, in-process after
-    # Composer had been imported).
+    # the fork, and the conversion hangs at its end (in a process that imported Composer).
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with slots.get_lock():
         slot, slots.value = slots.value, slots.value + 1

@@ -32,8 +32,8 @@ class Group:
 class LaunchedGroup(Group):
     """The ranks a launcher started (`composer -n N`, torchrun: RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT set), exchanging pickled objects through torch.distributed's key-value store (rank 0
-    hosts it), whatever devices the conversion uses. No process group: gloo's teardown hung now and
-    then once rank 0 had exited. The timeout is long: rank 0 waits at the end for the slowest rank."""
+    hosts it), whatever devices the conversion uses. No process group: gloo's teardown can hang once
+    rank 0 has exited. The timeout is long: rank 0 waits at the end for the slowest rank."""
 
     def __init__(self, timeout: timedelta = timedelta(days=7)):
         import torch.distributed as dist

@@ -12,7 +12,7 @@ what a small upscaled image and a cropped one look like instead of drawing them 
 section 2.2): `original_size` (height, width) of the image before the converter resized it (its
 `original_height`/`original_width` columns, else the stored image's size) and `crop_top_left`
 (top, left) of the training crop in the resized image, as LongTensors (2,). Without the flags a
-sample is exactly what it was before SDXL.
+sample holds `image` and `input_ids` only (what SD1/SD2 read).
 """
 
 import functools

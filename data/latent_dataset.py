@@ -40,7 +40,7 @@ class LatentsDataset(StreamingBase):
                 f"no {self.column} column in this dataset (it has {have}); convert at this resolution"
             )
         # One copy into writable float32 memory: from_numpy(...).float() kept fp32 columns in the
-        # read-only sample buffer (a UserWarning in every worker, seen on the first GPU run).
+        # read-only sample buffer, and torch warns about that in every worker.
         out = {
             "latents": torch.tensor(sample[self.column], dtype=torch.float32),
             "text_embeds": torch.tensor(sample["text_embeds"], dtype=torch.float32),

@@ -3,8 +3,8 @@
 1. Jobs that start together on one host. A new dataset finds a free shared-memory prefix by probing
    /dev/shm, then its node's local leader creates it; two jobs probing at the same moment find the
    same prefix and the second one's create fails with FileExistsError (reproduced: three processes
-   building eight datasets each, 0-2 failures per process; seen in `make test`, where test workers
-   are such jobs, and for users starting several single-GPU jobs on one node at once). Here each
+   building eight datasets each, 0-2 failures per process; test workers are such jobs, and so are
+   users starting several single-GPU jobs on one node at once). Here each
    node's local leader holds a host-wide lock (flock on a file in /dev/shm, where the prefixes
    live) from before its ranks probe until the prefix is registered; the other ranks wait at a
    barrier until their leader holds it.

@@ -45,11 +45,10 @@ from models.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
-# The record version per family. An SD record is version 1, as before SDXL (code of that time still
-# reads it); an SDXL record is version 2 (a `family` and the second text encoder and tokenizer), which
-# that code refuses by name rather than rebuilding an SD model without the second encoder. An mmdit
-# record is version 3 (a transformer, no UNet): code before SDXL refuses it by its version, code before
-# the mmdit family by its family.
+# The record version per family, so that code reading fewer families refuses a record it cannot
+# rebuild by name: an SD record is version 1 (what SD-only code reads); an SDXL record is version 2
+# (a `family` and the second text encoder and tokenizer: SD-only code would rebuild an SD model
+# without the second encoder); an mmdit record is version 3 (a transformer, no UNet).
 VERSIONS = {"sd": 1, "sdxl": 2, "mmdit": 3}
 # The rectified-flow options an mmdit record keeps (models/mmdit.py), besides t5_tokens.
 FLOW_OPTIONS = ("timestep_mean", "timestep_std", "timestep_shift", "loss_weighting")
