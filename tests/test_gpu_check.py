@@ -38,29 +38,22 @@ def test_every_variant_is_a_valid_config(variant, resolution):
     assert run.trainer["device_train_microbatch_size"] == micro and run.global_train_batch_size == 8 * micro
 
 
-@pytest.mark.parametrize("resolution", [512, 1024])
-@pytest.mark.parametrize("variant", list(gpu_check.SDXL_VARIANTS))
-def test_every_sdxl_variant_is_a_valid_config(variant, resolution):
-    micro, overrides = gpu_check.variant_overrides(
-        8, resolution, gpu_check.SDXL_VARIANTS[variant], "sdxl-base"
-    )
-    bench = ["model.pretrained=null", "data.train.remote=null", "trainer.save_folder=null"]
-    run = parse_config(load_config(REPO / "yamls/sdxl-base.yaml", [*overrides, *bench]))
-    assert run.model["preset"] == "sdxl-base" and run.data.train.latents and not run.data.train.buckets
-    assert run.data.train.prepare == "sdxl-latents" and run.data.train.resolution == resolution
-    assert run.trainer["device_train_microbatch_size"] == micro and run.global_train_batch_size == 8 * micro
+FAMILY_CASES = [
+    (preset, variant, resolution)
+    for preset in ("sdxl-base", "sd3-medium")
+    for variant in gpu_check.TARGETS[preset]["variants"]
+    for resolution in gpu_check.TARGETS[preset]["microbatch"]
+]
 
 
-@pytest.mark.parametrize("resolution", [256, 512])
-@pytest.mark.parametrize("variant", list(gpu_check.SD3_VARIANTS))
-def test_every_sd3_variant_is_a_valid_config(variant, resolution):
-    micro, overrides = gpu_check.variant_overrides(
-        8, resolution, gpu_check.SD3_VARIANTS[variant], "sd3-medium"
-    )
+@pytest.mark.parametrize(("preset", "variant", "resolution"), FAMILY_CASES)
+def test_every_sdxl_and_sd3_variant_is_a_valid_config(preset, variant, resolution):
+    target = gpu_check.TARGETS[preset]
+    micro, overrides = gpu_check.variant_overrides(8, resolution, target["variants"][variant], preset)
     bench = ["model.pretrained=null", "data.train.remote=null", "trainer.save_folder=null"]
-    run = parse_config(load_config(REPO / "yamls/sd3-medium.yaml", [*overrides, *bench]))
-    assert run.model["preset"] == "sd3-medium" and run.data.train.latents and not run.data.train.buckets
-    assert run.data.train.prepare == "sd3-latents" and run.data.train.resolution == resolution
+    run = parse_config(load_config(REPO / target["recipe"], [*overrides, *bench]))
+    assert run.model["preset"] == preset and run.data.train.latents and not run.data.train.buckets
+    assert run.data.train.prepare == target["data"] and run.data.train.resolution == resolution
     assert run.trainer["device_train_microbatch_size"] == micro and run.global_train_batch_size == 8 * micro
 
 
