@@ -1,5 +1,6 @@
-"""MFU comes from Composer's own SpeedMonitor: the model's flops_per_batch (UNet training FLOPs) and the
-peak FLOP/s set in the YAML (`callbacks.speed_monitor.gpu_flops_available`)."""
+"""MFU comes from the SpeedMonitor in _base.yaml (Composer's, with FLOPs counted on the host:
+extensions/speed_monitor.py): the model's flops_per_batch (UNet training FLOPs) and the peak FLOP/s set
+in the YAML (`callbacks.speed_monitor.gpu_flops_available`)."""
 
 import pytest
 from composer.core import Callback
@@ -52,3 +53,5 @@ def test_speed_monitor_logs_mfu_from_unet_flops_and_the_yaml_peak(shapes_mds, tm
     assert flops_per_sec == pytest.approx(expected, rel=1e-5)
     assert mfu == pytest.approx([e / PEAK for e in expected], rel=1e-5)
     assert all(0 < value < 1 for value in mfu)  # a 2-core CPU is far below 2 TFLOP/s
+    samples_per_sec = [value for _, value in memory.data["throughput/samples_per_sec"]]
+    assert samples_per_sec == pytest.approx([e / per_image for e in expected], rel=1e-5)
