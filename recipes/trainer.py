@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from common.secrets import protect_config_secrets, redact
-from compat.composer import mlflow_run_id
+from compat.composer import cache_fsdp_enabled, mlflow_run_id
 from data.loader import build_image_caption_dataloader
 from extensions.callbacks import IsolateEvalRng, RestoreRngOnResume
 from extensions.checkpointing import install_atomic_checkpoint_writes
@@ -66,6 +66,7 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     if fsdp and torch.cuda.is_available():
         place_unsharded(kwargs["model"], torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
     trainer = Trainer(**kwargs)
+    cache_fsdp_enabled(trainer.state)  # Composer walks every module once a batch to ask this otherwise
     trainer.state.callbacks.append(RestoreRngOnResume(trainer))
     trainer.state.callbacks.append(IsolateEvalRng())  # evaluating leaves training's random draws unchanged
     params = redact(dataclasses.asdict(run))  # what wandb/MLflow show: masked (common/secrets.py)

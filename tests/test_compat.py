@@ -30,6 +30,8 @@ RELIED_ON = [
     ("composer.loggers.mlflow_logger:MLFlowLogger", "tracking_uri", ASSIGNED),
     ("composer.devices:DeviceCPU", "_device", ASSIGNED),
     ("composer.devices:DeviceGPU", "_device", ASSIGNED),
+    ("composer.core", "State", None),
+    ("composer.core:State", "fsdp_enabled", None),
     ("composer.algorithms.ema.ema", "EMAParameters", ("model",)),
     ("composer.algorithms.ema.ema", "compute_ema", ("model", "ema_model", "smoothing")),
     ("composer.callbacks.speed_monitor", "GPU_AVAILABLE_FLOPS", None),

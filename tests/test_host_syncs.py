@@ -95,3 +95,38 @@ def test_syncs_per_batch_do_not_grow_with_microbatches_and_stay_few(counts):
     assert len(one) == 2 and len(set(one)) == 1, one  # every steady batch alike
     assert one == two == eight, f"1 microbatch: {one}, 2: {two}, 8: {eight}"
     assert 0 < one[0] <= MAX_SYNCS, one
+
+
+class ModuleWalks(Callback):
+    """Counts walks over the whole model (`model.modules()`) per batch after the first."""
+
+    def __init__(self):
+        self.walks, self.marks = 0, []
+
+    def fit_start(self, state, logger):
+        walk, counter = state.model.modules, self
+
+        def counting_walk(*args, **kwargs):
+            counter.walks += 1
+            return walk(*args, **kwargs)
+
+        state.model.modules = counting_walk  # this instance only
+
+    def batch_start(self, state, logger):
+        self.marks.append(self.walks)
+
+
+def test_no_batch_walks_every_module_of_the_model(shapes_mds):
+    """Composer's `State.fsdp_enabled` walks every module (thousands in sd2-base) and its training loop
+    asks it once a batch: ~6 ms a batch of host time. build_trainer caches the answer
+    (compat/composer.py cache_fsdp_enabled)."""
+    trainer = build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", tiny_run(shapes_mds, 4)))
+    walks = ModuleWalks()
+    trainer.state.callbacks.append(walks)
+    trainer.fit()
+    trainer.close()
+    assert trainer.state.fsdp_enabled is False
+    steady = [b - a for a, b in zip(walks.marks[1:], walks.marks[2:])]
+    del trainer
+    gc.collect()
+    assert steady == [0, 0], steady
