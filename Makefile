@@ -47,10 +47,13 @@ test-fast: install
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) -m "$(FAST_TIER)" --durations=10
 
 # The GPU path measured and checked (bench/gpu_check.py); exits with one line where there is no CUDA.
+# In runs because a device call is capped at 10 minutes: `make gpu-check` (run 1, 256 px), then
+# `make gpu-check PART=2` (512 px, deterministic resume); PART=3 and 4 time each part of the new step.
 # `make gpu-check PRESET=sdxl-base` (or sd3-medium) measures that recipe's throughput instead.
 PRESET ?= sd2-base
+PART   ?= 1
 gpu-check: install
-	$(PY) bench/gpu_check.py --preset $(PRESET)
+	$(PY) bench/gpu_check.py --preset $(PRESET) $(if $(filter sd2-base,$(PRESET)),--run $(PART))
 
 bench: install
 	$(PY) bench/ema.py

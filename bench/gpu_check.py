@@ -1,41 +1,73 @@
-"""`make gpu-check`: the GPU path of yamls/sd2-base.yaml, measured and checked, on the GPUs at hand.
+"""`make gpu-check`: the GPU path of yamls/sd2-base.yaml, measured and checked, in runs that each fit
+one device call of at most 10 minutes (a GPU machine is lent rarely, for 15 minutes in all).
 
-    python bench/gpu_check.py [--out runs/gpu-check] [--parts throughput e2e ema] [--quick]
-                                [--variants TEXT ...] [--resolutions 256 512]
-                                [--deterministic] [--preset sd2-base|sdxl-base|sd3-medium]
+    python bench/gpu_check.py [--run 1|2|3|4] [--budget 570] [--out runs/gpu-check]
+    python bench/gpu_check.py [--parts throughput e2e ema] [--variants TEXT ...] [--resolutions 256 512]
+                              [--quick] [--deterministic] [--preset sd2-base|sdxl-base|sd3-medium]
 
-`--preset sdxl-base` measures yamls/sdxl-base.yaml instead (throughput only, at 512 and 1024 px:
-its FSDP recipe and SDXL_VARIANTS, random SDXL-shaped latents with pooled text and micro-conditioning);
-`--preset sd3-medium` yamls/sd3-medium.yaml (at 256 and 512 px, SD3_VARIANTS, random 16-channel
-latents with the CLIP context and pooled vector).
+RUNS (bench/gpu_runs.py; `make gpu-check` is run 1, `make gpu-check PART=2` run 2, ...), each job in
+its own process (a `composer -n GPUS` per variant), in order, with its estimated seconds on one H100
+(ESTIMATE_S):
+  1. 256 px, the new step against today's and the ceiling (~480 s): the baseline (90), the plain
+     loop (60), compile + CUDA graphs + bf16 weights + channels_last (240), bf16 weights (90).
+  2. 512 px and the resume (~560 s): at 512 px, run 1's best 256 px variant (read from
+     OUT/gpu-check-run1.json; without it the combination above) (260); e2e with --deterministic (300).
+  3, 4. What each part of the combination buys (~525 s, ~530 s): compile + CUDA graphs, compile, the
+     EMA's storage variants; compile + channels_last, the baseline at 512 px, FSDP per block,
+     2x microbatch.
+A variant's process took 75-100 s at 256 px on 2026-11-24 (python and imports, building sd2-base's
+UNet, VAE and text encoder, the data loader, 25 batches); torch.compile of the UNet's forward and
+backward adds ~150 s (a guess, never measured: inductor's cache, /tmp/torchinductor_$USER, is shared
+by the processes but misses across dtypes and memory formats). Not everything fits in two calls:
+runs 1 and 2 answer whether the combination wins at both sizes and whether the resume is bitwise;
+3 and 4 say which part of it pays, when there is device time for them.
 
-1. throughput: bench/throughput.py (each variant its own `composer -n GPUS` process) on sd2-base,
-   bf16, precomputed latents (random, `data.prepare: sd2-latents`): img/s per GPU, MFU (UNet
-   training FLOPs, models/flops.py, against Composer's peak for the GPU) and peak memory, for the
-   variants in VARIANTS at 256 px and the baseline and best at 512 px. The best is written to
-   OUT/throughput-256.json / -512.json, which `recipes.plan --throughput-file` reads.
-2. e2e: the real yamls/sd2-base.yaml (overrides only for data, duration, batch, save folder, and EMA
-   switched on as the 512 px stage has it) trains 50 batches under FSDP and saves at 25 and 50; a
-   second run resumes from batch 25 and must train the same losses (bitwise weights too with
-   --deterministic; bench/gpu_e2e.py says why not by default); the final checkpoint is exported and
-   the pipeline generates an image.
-3. ema: the EMA's storage variants (fp32 on the GPU, bf16, CPU offload) give the same average.
-Prints a markdown table with the anchors' ratios; exits non-zero if a check fails. Without CUDA
-it exits at once with one line. Needs no network: the weights are random.
+A killed run still leaves what it measured: a job starts only while 75% of its estimate is left of
+`--budget` (seconds from this script's start; 0: no limit), is killed (its whole process group) past
+twice its estimate or the budget's end (the plain loop and the EMA check run in this process, without
+a limit), and after every job OUT/gpu-check-runN.md (the table) and .json (rows, checks, seconds per
+job against its estimate, what was skipped and why) are rewritten.
+
+throughput: bench/throughput.py on sd2-base, bf16, precomputed latents (random, `data.prepare:
+sd2-latents`): img/s per GPU, MFU (models/flops.py against Composer's peak for the GPU), peak memory;
+then a torch.profiler summary of 3 more batches (bench/profile_summary.py) to
+OUT/profile-VARIANT-PX.json: GPU-busy fraction, kernel launches and host syncs per step, top 10
+kernels; one line per variant in the log; its result and log in OUT/tp-PX-K.json and .log (K: the
+next number free of both). The best per size goes to OUT/throughput-256.json / -512.json, which
+`recipes.plan --throughput-file` reads, unless the file holds a faster one of the same recipe on the
+same device (an earlier run's: runs 1 and 3 both time 256 px).
+plain: bench/plain_loop.py (the recipe's model in a bare PyTorch loop on 1 GPU: the ceiling).
+e2e: bench/gpu_e2e.py (train, save, resume, export, generate; bitwise with --deterministic).
+ema: the EMA's storage variants (fp32 on the GPU, bf16, CPU offload) give the same average.
+--variants, --parts, --resolutions or --quick, and the other presets (`--preset sdxl-base`: its
+SDXL_VARIANTS at 512 and 1024 px; `sd3-medium`: SD3_VARIANTS at 256 and 512), select the jobs
+instead of a run: the variants at the lower size, the baseline and the best at the higher, the
+plain loop last. Prints a markdown table with the anchors' ratios; exits non-zero if a check fails.
+Without CUDA it exits at once with one line. Needs no network: the weights are random.
 """
 
 import argparse
 import json
-import os
-import subprocess
+import re
 import sys
 import time
 from pathlib import Path
 
+START = time.monotonic()  # --budget counts from here: before torch's import, CUDA's start and gpus()
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # not bench/: its convert.py would shadow the convert package
 
-from bench.gpu_e2e import DATA, part_e2e  # noqa: E402 (after the path fix)
+from bench.gpu_e2e import DATA  # noqa: E402 (after the path fix)
+from bench.gpu_runs import (  # noqa: E402
+    BASE,
+    BUDGET_S,
+    FULL,
+    RUNS,
+    composer,
+    custom_jobs,
+    run_and_report,
+)
+from bench.plain_loop import add_profile, peak_flops, plain_row  # noqa: E402
 
 ANCHORS = {  # img/s per GPU to reach, and where the number comes from
     256: (440.0, "MosaicML's 23.8% MFU on A100 carried to H100"),
@@ -45,28 +77,21 @@ MICROBATCH = {256: 32, 512: 16}
 # The UNet sharded per block, ZeRO-2, bf16 weights: sd2-base's FSDP option (its YAML gives the
 # override that switches it on), timed against the DDP baseline.
 FSDP = "+trainer.parallelism_config={fsdp: {sharding_strategy: SHARD_GRAD_OP, mixed_precision: PURE}}"
+# The step built for the GPU (issue 29): weights held in bf16 (fp32 master weights in the optimizer),
+# the UNet's forward and backward compiled and replayed as CUDA graphs, channels-last memory.
+BF16 = "model.param_dtype=bfloat16"
+GRAPHS = ["model.compile_unet={mode: reduce-overhead}", "optimizer.capturable=true"]
+CHANNELS_LAST = "model.channels_last=true"
 VARIANTS = {  # name -> overrides on top of the recipe; the first is the baseline
-    "baseline (sdpa, DDP / no wrapper on 1 GPU)": [],
-    "math attention": ["model.attention=math"],
-    "channels_last": ["model.channels_last=true"],
+    BASE: [],
+    "bf16 weights": [BF16],
     "compile": ["model.compile_unet=true"],
-    "gradient checkpointing, 2x microbatch": ["model.gradient_checkpointing=true", "MICROBATCH_X2"],
+    "compile + CUDA graphs": GRAPHS,
+    "compile, channels_last": ["model.compile_unet=true", CHANNELS_LAST],
+    FULL: [*GRAPHS, BF16, CHANNELS_LAST],
+    "FSDP per block": [FSDP],  # what sharding costs a model that fits (the recipe's reason for DDP)
     "2x microbatch": ["MICROBATCH_X2"],
-    # On an H100 the 256 px step is launch-bound (FSDP per block ran at 0.58x a plain loop,
-    # docs/benchmarks.md "GPU figures"); these tell what FSDP's hooks and the norms' casts cost.
-    "FSDP per block": [FSDP],
-    "FSDP: whole UNet": [FSDP, "model.fsdp_wrap=unet"],
-    "FSDP: per layer": [FSDP, "model.fsdp_wrap=layers"],
-    "FSDP, checkpointing, 2x microbatch": [
-        FSDP,
-        "model.activation_checkpointing=blocks",
-        "trainer.parallelism_config.fsdp.activation_checkpointing=true",
-        "+trainer.parallelism_config.fsdp.activation_checkpointing_reentrant=false",
-        "MICROBATCH_X2",
-    ],
-    "no low-precision norms": ["model.low_precision_norms=null"],
 }
-PLAIN = "plain PyTorch loop, 1 GPU (the ceiling)"
 # SDXL's recipe is FSDP (full shard, per block) with activation checkpointing: what each costs.
 SDXL_VARIANTS = {
     "baseline (FSDP full shard per block, activation checkpointing)": [],
@@ -91,28 +116,13 @@ SD3_VARIANTS = {
 # What `--preset` measures: its recipe, random latents (recipes/prepare.py), microbatch per
 # resolution, variants and anchors (img/s per GPU and where the number comes from; none public for SDXL).
 TARGETS = {
-    "sd2-base": dict(
-        recipe="yamls/sd2-base.yaml",
-        data="sd2-latents",
-        microbatch=MICROBATCH,
-        variants=VARIANTS,
-        anchors=ANCHORS,
-    ),
-    "sdxl-base": dict(
-        recipe="yamls/sdxl-base.yaml",
-        data="sdxl-latents",
-        microbatch={512: 8, 1024: 2},
-        variants=SDXL_VARIANTS,
-        anchors={},
-    ),
-    "sd3-medium": dict(
-        recipe="yamls/sd3-medium.yaml",
-        data="sd3-latents",
-        microbatch={256: 32, 512: 8},
-        variants=SD3_VARIANTS,
-        anchors={},
-    ),
-}
+    "sd2-base": dict(recipe="yamls/sd2-base.yaml", data="sd2-latents", microbatch=MICROBATCH,
+                     variants=VARIANTS, anchors=ANCHORS),
+    "sdxl-base": dict(recipe="yamls/sdxl-base.yaml", data="sdxl-latents", microbatch={512: 8, 1024: 2},
+                      variants=SDXL_VARIANTS, anchors={}),
+    "sd3-medium": dict(recipe="yamls/sd3-medium.yaml", data="sd3-latents", microbatch={256: 32, 512: 8},
+                       variants=SD3_VARIANTS, anchors={}),
+}  # fmt: skip
 
 
 def gpus() -> int:
@@ -121,17 +131,6 @@ def gpus() -> int:
     if not torch.cuda.is_available():
         sys.exit("gpu-check needs a CUDA GPU; none is visible here (torch.cuda.is_available() is False)")
     return torch.cuda.device_count()
-
-
-def composer(n: int, args: list[str], log: Path, timeout: int) -> subprocess.CompletedProcess:
-    # this interpreter's launcher, so the check also runs where the packages are not in .venv
-    command = [sys.executable, "-m", "composer.cli.launcher", "-n", str(n), *args]
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    with open(log, "w") as out:
-        return subprocess.run(
-            command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout
-        )
 
 
 def variant_overrides(
@@ -152,6 +151,17 @@ def variant_overrides(
     ]
 
 
+def slug(name: str, resolution: int | None) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") + (f"-{resolution}" if resolution else "")
+
+
+def next_number(out: Path) -> int:
+    """One more than the highest K among OUT/tp-PX-K.json and .log: counted by logs too, since a failed
+    variant writes no json, so the next one cannot take its number and overwrite its log."""
+    names = (re.fullmatch(r"tp-\d+-(\d+)\.(json|log)", f.name) for f in out.glob("tp-*"))
+    return max((int(m[1]) for m in names if m), default=-1) + 1
+
+
 def throughput(
     n: int,
     out: Path,
@@ -160,211 +170,45 @@ def throughput(
     overrides: list[str],
     batches: int,
     preset: str = "sd2-base",
+    timeout: float = 900,
 ) -> dict:
+    """One variant's row: img/s per GPU, MFU, peak memory, and its profile's numbers (the profile in
+    OUT/profile-VARIANT-PX.json), or `ok: False` and the log."""
     from models.flops import mfu, training_flops_per_image
 
     micro, overrides = variant_overrides(n, resolution, overrides, preset)
-    result_file = out / f"tp-{resolution}-{len(list(out.glob('tp-*.json')))}.json"
+    result_file = out / f"tp-{resolution}-{next_number(out)}.json"
+    profile = out / f"profile-{slug(name, resolution)}.json"
     args = ["bench/throughput.py", TARGETS[preset]["recipe"], *overrides, "--batches", str(batches)]
     data = out / ("latents" if preset == "sd2-base" else f"latents-{preset}")
-    args += ["--warmup", "5", "--data", str(data), "--out", str(result_file)]
-    done = composer(n, args, result_file.with_suffix(".log"), timeout=900)
+    args += ["--warmup", "5", "--data", str(data), "--out", str(result_file), "--profile", str(profile)]
+    profile.unlink(missing_ok=True)  # not a previous call's, on the same machine
+    done = composer(n, args, result_file.with_suffix(".log"), timeout=timeout)
     row = {"variant": name, "resolution": resolution, "microbatch": micro, "ok": done.returncode == 0}
-    if row["ok"]:
+    if row["ok"] and result_file.exists():
         result = json.loads(result_file.read_text())
         row.update(
-            img_s=result["img_per_sec_per_gpu"], memory_gb=result.get("peak_memory_gb"), file=result_file
+            img_s=result["img_per_sec_per_gpu"], memory_gb=result.get("peak_memory_gb"), file=str(result_file)
         )
         row["mfu"] = mfu(row["img_s"], training_flops_per_image(preset, resolution), peak_flops())
+        add_profile(row, profile)
     else:
-        row["log"] = str(result_file.with_suffix(".log"))
+        row.update(ok=False, log=str(result_file.with_suffix(".log")))
+        row["timed_out"] = done.returncode == 124
     return row
 
 
-def peak_flops() -> float:
-    """Composer's bf16 peak for this GPU (SpeedMonitor's table), NaN for one it does not know."""
-    import torch
-
-    from compat.composer import GPU_AVAILABLE_FLOPS
-
-    name = torch.cuda.get_device_name().lower()
-    for chip in ("h200", "h100", "a100", "a10"):
-        if chip in name:
-            key = next(
-                k for k in GPU_AVAILABLE_FLOPS if k.startswith(chip) and ("pcie" in k) == ("pcie" in name)
-            )
-            return GPU_AVAILABLE_FLOPS[key].get("bf16") or float("nan")
-    return float("nan")
-
-
-def plain_loop(preset: str, resolution: int, batch: int, steps: int = 20, warmup: int = 5, device="cuda"):
-    """(img/s, peak GB) of a plain PyTorch loop over the recipe's model, the ceiling the training
-    path is compared with: `model.loss(model(batch))`, backward, fused AdamW, bf16 autocast on CUDA,
-    on batches already on the device; no Composer, FSDP, callbacks or data loader."""
-    import torch
-
-    from models import build_model
-    from models.flops import latent_size
-    from models.presets import family
-
-    device = torch.device(device)
-    torch.manual_seed(0)
-    model = build_model(preset).to(device)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
-    size = latent_size(preset, resolution)
-    # The VAE's mean and log-variance, as convert latents writes them, for the UNet or transformer.
-    moments = 2 * model.denoiser.config.in_channels
-    # The stored text condition: each CLIP's hidden states side by side (SDXL's and SD3's two), and the
-    # pooled vector SDXL (bigG's) and SD3 (both CLIPs') condition on.
-    encoders = [model.text_encoder, getattr(model, "text_encoder_2", None)]
-    width = sum(encoder.config.hidden_size for encoder in encoders if encoder is not None)
-    data = {
-        "latents": torch.randn(batch, moments, size, size, device=device),
-        "text_embeds": torch.randn(batch, 77, width, device=device),
-    }
-    if family(preset) == "sdxl":
-        pooled = model.text_encoder_2.config.projection_dim
-    elif family(preset) == "mmdit":
-        pooled = model.denoiser.config.pooled_projection_dim
-    if family(preset) != "sd":
-        data["pooled_text_embeds"] = torch.randn(batch, pooled, device=device)
-
-    def step():
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model.loss(model(data), data)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    for _ in range(warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    img_s = batch * steps / (time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
-    model = optimizer = data = None  # free the GPU for the next variants (own processes)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return img_s, peak
-
-
-def part_throughput(
-    n: int, out: Path, quick: bool, only: list[str] | None = None, resolutions=(256, 512), preset="sd2-base"
-) -> list[dict]:
-    from models.flops import mfu, training_flops_per_image
-
-    variants = TARGETS[preset]["variants"]
-    low, high = sorted(TARGETS[preset]["microbatch"])
-    batches = 10 if quick else 20
-    names = list(variants)[:1] if quick else list(variants)
-    if only:  # the baseline always runs: every ratio in the table is against it
-        names = [names[0], *(name for name in variants if name != names[0] and any(o in name for o in only))]
-    rows = []
-
-    def measure(resolution: int, name: str) -> None:
-        rows.append(throughput(n, out, resolution, name, variants[name], batches, preset))
-        print(f"measured: {rows[-1]}", flush=True)  # a run cut short still shows what it measured
-
-    if low in resolutions:
-        for name in names:
-            measure(low, name)
-    if high in resolutions:  # the baseline and the lower size's best, or the chosen variants alone
-        best = max((r for r in rows if r["ok"]), key=lambda r: r["img_s"], default=None)
-        for name in dict.fromkeys([names[0], best["variant"]] if best else names):
-            measure(high, name)
-    for resolution in (low, high):
-        done = [r for r in rows if r["ok"] and r["resolution"] == resolution]
-        if done:
-            top = max(done, key=lambda r: r["img_s"])
-            suffix = "" if preset == "sd2-base" else f"-{preset}"
-            (out / f"throughput{suffix}-{resolution}.json").write_text(Path(top["file"]).read_text())
-    if preset != "sd2-base" or 256 not in resolutions:  # the plain-loop ceiling: sd2-base's
-        return rows
-    micro = MICROBATCH[256]  # last: this process then holds the GPU only while no variant runs
-    img_s, peak = plain_loop("sd2-base", 256, micro, steps=batches)
-    rows.append(
-        {"variant": PLAIN, "resolution": 256, "microbatch": micro, "ok": True, "img_s": img_s,
-         "memory_gb": peak, "mfu": mfu(img_s, training_flops_per_image("sd2-base", 256), peak_flops())}
-    )  # fmt: skip
-    return rows
-
-
-def part_ema() -> tuple[list[str], dict[str, float]]:
-    """The average of 20 updates of sd2-base's UNet shape, per storage variant, against fp32, and
-    each variant's median milliseconds per update (the offload trade-off: host memory vs time)."""
-    import torch
-
-    from extensions.ema import EMA
-    from models.presets import build_components
-
-    unet = build_components("sd2-base")["unet"].cuda()
-    averages, ms = {}, {}
-    for name, kwargs in {"fp32": {}, "bf16": {"storage": "bf16"}, "offload": {"offload": True}}.items():
-        torch.manual_seed(0)
-        for p in unet.parameters():
-            p.data.normal_(0, 0.02)
-        ema = EMA(smoothing=0.9, **kwargs)
-        ema._bind(unet)
-        times = []
-        for batch in range(20):
-            with torch.no_grad():
-                for p in unet.parameters():
-                    p.add_(torch.randn_like(p), alpha=0.01)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            ema.step(batch)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        ms[name] = 1000 * sorted(times[5:])[len(times[5:]) // 2]
-        averages[name] = {k: v.float().cpu() for k, v in ema.state_dict()["ema"].items()}
-    problems = []
-    for name, tolerance in (("bf16", 1e-2), ("offload", 1e-6)):
-        worst = max((averages[name][k] - v).abs().max().item() for k, v in averages["fp32"].items())
-        if worst > tolerance:
-            problems.append(f"EMA {name} differs from fp32 by {worst:.2e} (> {tolerance:g})")
-    return problems, ms
-
-
-def table(rows: list[dict], anchors: dict = ANCHORS) -> str:
-    lines = [
-        "| variant | px | microbatch | img/s per GPU | MFU | peak GB | vs anchor |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        if not r["ok"]:
-            lines.append(
-                f"| {r['variant']} | {r['resolution']} | {r['microbatch']} | failed: {r['log']} | | | |"
-            )
-            continue
-        anchor = anchors.get(r["resolution"], (None,))[0]
-        versus = f"{r['img_s'] / anchor:.2f}x" if anchor else "-"
-        memory = f"{r['memory_gb']:.1f}" if r.get("memory_gb") is not None else "?"
-        lines.append(
-            f"| {r['variant']} | {r['resolution']} | {r['microbatch']} | {r['img_s']:.1f} | {r['mfu']:.1%} "
-            f"| {memory} | {versus} |"
-        )
-    anchor_text = (
-        "; ".join(f"{px} px: {v:g} img/s ({why})" for px, (v, why) in anchors.items()) or "none public"
-    )
-    ceiling = next((r for r in rows if r["variant"] == PLAIN), None)
-    base = next((r for r in rows if r["ok"] and r["variant"] != PLAIN and r["resolution"] == 256), None)
-    if ceiling and base and base["microbatch"] == ceiling["microbatch"]:
-        anchor_text += f". {base['variant']} / plain loop at 256 px: {base['img_s'] / ceiling['img_s']:.2f}x"
-    return "\n".join(lines) + f"\n\nAnchors: {anchor_text}. Moonshot: 50% MFU.\n"
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, start: float | None = None) -> int:
+    """`start`: the time.monotonic() --budget counts from (the script passes START; default: now)."""
+    start = time.monotonic() if start is None else start
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "runs/gpu-check")
+    parser.add_argument("--run", type=int, choices=sorted(RUNS), help="one of RUNS (sd2-base; default 1)")
     parser.add_argument(
-        "--parts", nargs="+", choices=("throughput", "e2e", "ema"), default=["throughput", "e2e", "ema"]
-    )
+        "--budget", type=float, default=BUDGET_S,
+        help=f"seconds for the jobs from this script's start (default {BUDGET_S}; 0: no limit)",
+    )  # fmt: skip
+    parser.add_argument("--parts", nargs="+", choices=("throughput", "e2e", "ema"))
     parser.add_argument("--quick", action="store_true", help="the baseline variant only, fewer batches")
     parser.add_argument(
         "--variants", nargs="+", metavar="TEXT", help="only the variants whose name contains one of these"
@@ -381,42 +225,30 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--deterministic", action="store_true",
-        help="e2e in Composer's deterministic mode, where the resume must be bitwise (slower kernels)",
+        help="e2e in Composer's deterministic mode, where the resume must be bitwise (runs do this)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    sizes = sorted(TARGETS[args.preset]["microbatch"])
-    args.resolutions = args.resolutions or sizes
-    if not set(args.resolutions) <= set(sizes):
+    chosen = args.parts or args.variants or args.resolutions or args.quick or args.preset != "sd2-base"
+    if chosen and args.run is not None:
+        parser.error("--run is a fixed plan of sd2-base jobs: no --parts, --variants, --resolutions, --quick")
+    target = TARGETS[args.preset]
+    sizes = sorted(target["microbatch"])
+    if not set(args.resolutions or sizes) <= set(sizes):
         parser.error(f"--preset {args.preset} measures at {sizes} px, not {args.resolutions}")
-    if args.preset != "sd2-base":
-        args.parts = [part for part in args.parts if part == "throughput"]
+    if chosen:
+        parts = args.parts or ["throughput", "e2e", "ema"]
+        parts = parts if args.preset == "sd2-base" else [p for p in parts if p == "throughput"]
+        jobs = custom_jobs(args.preset, target, args.quick, args.variants, args.resolutions or sizes, parts)
+        stem = "gpu-check" if args.preset == "sd2-base" else f"gpu-check-{args.preset}"
+    else:
+        args.run = args.run or 1
+        jobs, stem = RUNS[args.run], f"gpu-check-run{args.run}"
+    args.batches, args.start = (10 if args.quick else 20), start
     n = gpus()
     args.out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    device = torch.cuda.get_device_name()
-    print(f"# gpu-check {time.strftime('%Y-%m-%d')}: {n} x {device}, torch {torch.__version__}")
-    problems = []
-    if "throughput" in args.parts:
-        rows = part_throughput(n, args.out, args.quick, args.variants, args.resolutions, args.preset)
-        print(table(rows, TARGETS[args.preset]["anchors"]))
-        problems += [
-            f"throughput variant failed: {r['variant']} at {r['resolution']} px" for r in rows if not r["ok"]
-        ]
-    if "ema" in args.parts:
-        found, ms = part_ema()
-        print("EMA variants (fp32, bf16, offload): " + ("agree" if not found else "; ".join(found)))
-        print("EMA ms per update: " + ", ".join(f"{name} {value:.1f}" for name, value in ms.items()))
-        problems += found
-    if "e2e" in args.parts:
-        found, lines = part_e2e(n, args.out, composer, args.deterministic)
-        print("\n".join(lines))
-        print("sd2-base train/save/resume/export/generate: " + ("ok" if not found else "; ".join(found)))
-        problems += found
-    for problem in problems:
-        print(f"FAILED: {problem}")
-    return 1 if problems else 0
+    measure = {"throughput": throughput, "plain": plain_row}  # the rows run_jobs asks for
+    return run_and_report(jobs, n, args, stem, target, measure)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(start=START))

@@ -10,11 +10,14 @@ resume bug from that noise is the loss: B's batch 26 starts from A's state on th
 noise, so its forward pass sees the same numbers, and a wrong data order, RNG state or optimizer
 state moves every later loss by whole percents while the kernels' noise moves them by ~1e-5.
 `--deterministic` runs both with Composer's deterministic mode (torch's deterministic kernels,
-a fixed cuBLAS workspace): then the weights too must be bitwise equal.
+a fixed cuBLAS workspace): then the weights too must be bitwise equal. gpu-check's run 2 does.
+
+Also gpu-check's other check, `part_ema`: the EMA's storage variants agree, and what each costs.
 """
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,24 +44,45 @@ def run_overrides(folder: Path, deterministic: bool) -> list[str]:
     return [f"trainer.save_folder={folder}", log, *(["+trainer.deterministic_mode=true"] * deterministic)]
 
 
-def part_e2e(n: int, out: Path, composer, deterministic: bool = False) -> tuple[list[str], list[str]]:
-    """(problems found, lines to print). `composer(n, args, log, timeout)` launches one run."""
+def part_e2e(
+    n: int, out: Path, composer, deterministic: bool = False, deadline: float | None = None
+) -> tuple[list[str], list[str]]:
+    """(problems found, lines to print). `composer(n, args, log, timeout)` launches one run; every
+    process is stopped by `deadline` (time.time()), a run that reaches it fails (exit 124)."""
     import os
+    import shutil
 
-    import torch
+    def left() -> float:
+        return 1800 if deadline is None else max(deadline - time.time(), 1)
 
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if deterministic:  # before the processes start: cuBLAS reads it when it creates its handle
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    base = ["train.py", "yamls/sd2-base.yaml", *e2e_overrides(n, out)]
+    try:
+        base = ["train.py", "yamls/sd2-base.yaml", *e2e_overrides(n, out)]
+        first, second = out / "e2e-a", out / "e2e-b"
+        for folder in (first, second, out / "pipeline"):  # a second call on this machine starts afresh
+            shutil.rmtree(folder, ignore_errors=True)
+        done = composer(n, [*base, *run_overrides(first, deterministic)], out / "e2e-a.log", left())
+        if done.returncode != 0:
+            return [f"training failed (exit {done.returncode}); see {out / 'e2e-a.log'}"], []
+        return _resume_and_compare(n, out, composer, deterministic, base, left)
+    finally:  # the throughput variants after this one keep cuBLAS's default workspace
+        if deterministic and cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        elif deterministic:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
+
+
+def _resume_and_compare(n, out, composer, deterministic, base, left) -> tuple[list[str], list[str]]:
+    import torch
+
     first, second = out / "e2e-a", out / "e2e-b"
-    done = composer(n, [*base, *run_overrides(first, deterministic)], out / "e2e-a.log", timeout=1800)
-    if done.returncode != 0:
-        return [f"training failed (exit {done.returncode}); see {out / 'e2e-a.log'}"], []
     second.mkdir(parents=True, exist_ok=True)
     start = f"ep0-ba{RESUME_AT}-rank0.pt"
     (second / start).symlink_to(first / start)
     (second / "latest-rank0.pt").symlink_to(start)
-    done = composer(n, [*base, *run_overrides(second, deterministic)], out / "e2e-b.log", timeout=1800)
+    done = composer(n, [*base, *run_overrides(second, deterministic)], out / "e2e-b.log", left())
     if done.returncode != 0:
         return [f"resumed training failed (exit {done.returncode}); see {out / 'e2e-b.log'}"], []
     end = f"ep0-ba{BATCHES}-rank0.pt"
@@ -66,7 +90,7 @@ def part_e2e(n: int, out: Path, composer, deterministic: bool = False) -> tuple[
     b = torch.load(second / end, map_location="cpu", weights_only=False, mmap=True)["state"]
     problems, lines = compare_runs(first, second, a, b, bitwise=deterministic)
     (first / start).unlink()  # 15 GB each: the export below needs only the last one
-    found, more = export_and_generate(first / end, out)
+    found, more = export_and_generate(first / end, out, timeout=left())
     return problems + found, lines + more
 
 
@@ -118,14 +142,17 @@ def state_difference(a: dict, b: dict) -> tuple[float | None, int, int]:
     return largest, unequal, len(flat_a)
 
 
-def export_and_generate(checkpoint: Path, out: Path) -> tuple[list[str], list[str]]:
+def export_and_generate(checkpoint: Path, out: Path, timeout: float = 1800) -> tuple[list[str], list[str]]:
     import torch
 
     export = out / "pipeline"
-    done = subprocess.run(
-        [sys.executable, "-m", "models.export", str(checkpoint), str(export), "--ema"],
-        cwd=REPO, capture_output=True, text=True,
-    )  # fmt: skip
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "models.export", str(checkpoint), str(export), "--ema"],
+            cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return [f"export did not finish within the time left ({timeout:.0f} s)"], []
     if done.returncode != 0:
         return [f"export failed: {done.stderr[-500:]}"], []
     from diffusers import StableDiffusionPipeline
@@ -146,3 +173,39 @@ def _flat(tree, prefix="") -> dict:
     if isinstance(tree, list | tuple):
         return {k: v for i, value in enumerate(tree) for k, v in _flat(value, f"{prefix}/{i}").items()}
     return {}
+
+
+def part_ema() -> tuple[list[str], dict[str, float]]:
+    """The average of 20 updates of sd2-base's UNet shape, per storage variant, against fp32, and
+    each variant's median milliseconds per update (the offload trade-off: host memory vs time)."""
+    import torch
+
+    from extensions.ema import EMA
+    from models.presets import build_components
+
+    unet = build_components("sd2-base")["unet"].cuda()
+    averages, ms = {}, {}
+    for name, kwargs in {"fp32": {}, "bf16": {"storage": "bf16"}, "offload": {"offload": True}}.items():
+        torch.manual_seed(0)
+        for p in unet.parameters():
+            p.data.normal_(0, 0.02)
+        ema = EMA(smoothing=0.9, **kwargs)
+        ema._bind(unet)
+        times = []
+        for batch in range(20):
+            with torch.no_grad():
+                for p in unet.parameters():
+                    p.add_(torch.randn_like(p), alpha=0.01)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            ema.step(batch)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        ms[name] = 1000 * sorted(times[5:])[len(times[5:]) // 2]
+        averages[name] = {k: v.float().cpu() for k, v in ema.state_dict()["ema"].items()}
+    problems = []
+    for name, tolerance in (("bf16", 1e-2), ("offload", 1e-6)):
+        worst = max((averages[name][k] - v).abs().max().item() for k, v in averages["fp32"].items())
+        if worst > tolerance:
+            problems.append(f"EMA {name} differs from fp32 by {worst:.2e} (> {tolerance:g})")
+    return problems, ms

@@ -16,6 +16,10 @@ Per-device throughput hardly depends on gradient accumulation, so on fewer GPUs 
 was written for, shrink the global batch (`global_train_batch_size=64` on one GPU with microbatch
 8: eight accumulation steps a batch) instead of waiting minutes per batch.
 
+`--profile PATH.json` profiles `--profile-steps` more batches after the timed ones (so the
+profiler's overhead stays out of the rate) and writes bench/profile_summary.py's summary there
+(rank 0): GPU-busy fraction, kernel launches and host syncs per step, the top kernels.
+
 Prints one line (and writes the JSON on rank 0): images/s per device, batches/s and the device.
 """
 
@@ -34,6 +38,7 @@ from composer.loggers import Logger  # noqa: E402
 from composer.utils import dist  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
+from bench import profile_summary  # noqa: E402
 from recipes import build_trainer, load_config  # noqa: E402
 from recipes.plan import write_throughput  # noqa: E402
 
@@ -46,8 +51,27 @@ class BatchClock(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if torch.cuda.is_available():
-            torch.cuda.synchronize()
+            with torch.profiler.record_function(f"{profile_summary.BENCH_MARK}clock"):  # not the step's sync
+                torch.cuda.synchronize()
         self.ends.append(time.perf_counter())
+
+
+class ProfileWindow(Callback):
+    """torch.profiler over batches `first` .. `first + steps - 1` (0-based), from the first one's
+    start to the last one's end (after BatchClock's synchronize at each end)."""
+
+    def __init__(self, first: int, steps: int):
+        self.first, self.steps, self.done = first, steps, 0
+        self.profile = profile_summary.StepProfile(steps)
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        if self.done == self.first:
+            self.profile.start()
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        self.done += 1
+        if self.done == self.first + self.steps:
+            self.profile.stop()
 
 
 def device_name() -> str:
@@ -56,7 +80,10 @@ def device_name() -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def measure(yaml_path: str, batches: int, warmup: int, overrides: list[str], data_dir: str) -> dict:
+def measure(
+    yaml_path: str, batches: int, warmup: int, overrides: list[str], data_dir: str, profile_steps: int = 0
+) -> dict:
+    """The result record; with `profile_steps`, its "profile" is the profiled batches' summary."""
     overrides = [
         f"data.train.local={data_dir}",
         "data.train.remote=null",
@@ -64,7 +91,7 @@ def measure(yaml_path: str, batches: int, warmup: int, overrides: list[str], dat
         "data.eval=null",
         "model.pretrained=null",
         "prepare_pretrained=null",
-        f"trainer.max_duration={warmup + batches}ba",
+        f"trainer.max_duration={warmup + batches + profile_steps}ba",
         "trainer.save_folder=null",
         "trainer.autoresume=false",
         "trainer.load_path=null",  # sd2-base-512 loads stage 1; random weights time the same
@@ -81,14 +108,23 @@ def measure(yaml_path: str, batches: int, warmup: int, overrides: list[str], dat
         torch.cuda.reset_peak_memory_stats()
     clock = BatchClock()
     trainer.state.callbacks.append(clock)  # engine runs state.callbacks at every event
+    window = ProfileWindow(warmup + batches, profile_steps) if profile_steps else None
+    if window and dist.get_global_rank() == 0:
+        trainer.state.callbacks.append(window)
     trainer.fit()
-    timed = clock.ends[warmup - 1 :] if warmup > 0 else clock.ends
+    timed = clock.ends[warmup - 1 : warmup + batches]
     seconds = timed[-1] - timed[0]
     batches_per_s = (len(timed) - 1) / seconds
     global_batch = int(trainer.state.dataloader.batch_size) * dist.get_world_size()
     algorithms = [type(a).__name__ for a in trainer.state.algorithms]
     loggers = [type(d).__name__ for d in trainer.logger.destinations]
     trainer.close()
+    profile = None
+    if window and dist.get_global_rank() == 0:
+        try:
+            profile = window.profile.summary()
+        except Exception as err:  # noqa: BLE001 - the rate is measured; the profile is extra
+            logging.warning("no profile summary: %s: %s", type(err).__name__, err)
     return {
         "img_per_sec_per_gpu": batches_per_s * global_batch / dist.get_world_size(),
         "batches_per_sec": batches_per_s,
@@ -102,6 +138,7 @@ def measure(yaml_path: str, batches: int, warmup: int, overrides: list[str], dat
         "algorithms": algorithms,
         "loggers": loggers,
         "overrides": overrides,
+        **({"profile": profile} if profile else {}),
     }
 
 
@@ -115,13 +152,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--data", default=str(REPO / "runs/throughput-shapes"), help="synthetic MDS folder, shared by ranks"
     )
+    parser.add_argument("--profile", metavar="PATH.json", help="profile batches after the timed ones")
+    parser.add_argument("--profile-steps", type=int, default=3, help="how many, with --profile")
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options
-    if args.batches < 1 or args.warmup < 1:
-        parser.error("--batches and --warmup must be at least 1")
+    if args.batches < 1 or args.warmup < 1 or args.profile_steps < 1:
+        parser.error("--batches, --warmup and --profile-steps must be at least 1")
     logging.basicConfig(level=logging.WARNING)
-    result = measure(args.yaml, args.batches, args.warmup, args.overrides, args.data)
+    steps = args.profile_steps if args.profile else 0
+    result = measure(args.yaml, args.batches, args.warmup, args.overrides, args.data, steps)
     if dist.get_global_rank() == 0:
+        profile = result.pop("profile", None)
         write_throughput(args.out, **result)
+        if profile:
+            profile_summary.write(args.profile, profile, device=result["device"], recipe=result["recipe"],
+                                  resolution=result["resolution"], global_batch=result["global_batch"],
+                                  overrides=result["overrides"])  # fmt: skip
+            print(f"profile: {profile_summary.one_line(profile)} -> {args.profile}")
         print(
             f"{result['img_per_sec_per_gpu']:.2f} img/s per device "
             f"({result['batches_per_sec']:.3f} batches/s, "

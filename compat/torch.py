@@ -12,11 +12,17 @@
   `torch.utils._python_dispatch.TorchDispatchMode` (bench/ema.py counts the memory each op
   allocates); `torch.distributed.algorithms._checkpoint.checkpoint_wrapper` (CheckpointImpl,
   apply_activation_checkpointing, checkpoint_wrapper: what Composer applies for activation
-  checkpointing, rebuilt by tests); `torch._dynamo.utils.counters` (tests check a compiled graph ran).
+  checkpointing, rebuilt by tests); `torch._dynamo.utils.counters` (tests check a compiled graph ran,
+  and count compilations); `torch._dynamo.explain` (tests look for graph breaks);
+  `torch._inductor.list_mode_options` (tests check which torch.compile modes use CUDA graphs).
+- `torch._dynamo.config.recompile_limit` (torch 2.7's name; `cache_size_limit`, the old one, is an
+  alias): the graphs dynamo compiles per function before it runs new inputs eagerly
+  (`raise_recompile_limit`, for models/build.py's compile).
 - `nn.Module._compiled_call_impl`: set by `Module.compile()` (in place); tests check it
   (`is_compiled`).
 
-`torch._foreach_*` (extensions/ema.py) is left out: documented and stable in practice.
+`torch._foreach_*` (extensions/ema.py, extensions/master_weights.py) is left out: documented and
+stable in practice.
 """
 
 import importlib
@@ -33,6 +39,8 @@ _LAZY = {
     "apply_activation_checkpointing": _CHECKPOINT_WRAPPER,
     "checkpoint_wrapper": _CHECKPOINT_WRAPPER,
     "counters": "torch._dynamo.utils",
+    "explain": "torch._dynamo",
+    "list_mode_options": "torch._inductor",
 }
 
 
@@ -60,3 +68,12 @@ def uses_orig_params(module: FSDP) -> bool:
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether `module.compile()` has been called on `module` (nn.Module.compile works in place)."""
     return module._compiled_call_impl is not None
+
+
+def raise_recompile_limit(at_least: int) -> int:
+    """Raises dynamo's recompile limit to `at_least` (never lowers it) and returns the limit now in
+    force. Global: dynamo's config belongs to the process, so every compiled function gets it."""
+    from torch._dynamo import config
+
+    config.recompile_limit = max(config.recompile_limit, at_least)
+    return config.recompile_limit

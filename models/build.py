@@ -31,6 +31,7 @@ from models.sharding import GRANULARITIES
 from models.sharding import configure as configure_sharding
 from models.stable_diffusion import StableDiffusion
 from models.tokenizer import build_tokenizer
+from models.torch_compile import compile_denoiser
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,9 @@ def build_encoders(preset: str, pretrained: str | None = None) -> dict:
     return {**parts, **bundled_tokenizers(preset)}
 
 
+# model.param_dtype -> the dtype the denoiser's weights are cast to (None: left fp32).
+PARAM_DTYPES = {None: None, "float32": None, "bfloat16": torch.bfloat16}
+
 # The options of each objective, with their defaults: a preset of the other family refuses them.
 DDPM_OPTIONS = dict(prediction_type=None, offset_noise=0.0, min_snr_gamma=None, zero_terminal_snr=False)
 # timestep_shift None: the noise scheduler's shift (a loaded folder's, else the preset's).
@@ -172,6 +176,7 @@ def build_model(
     fsdp_wrap: str = "blocks",
     activation_checkpointing: str | None = None,
     lora: dict | None = None,
+    param_dtype: str | None = None,
 ) -> StableDiffusion | RectifiedFlowTransformer:
     """The ComposerModel for `preset` (a name in models.presets.PRESETS): a StableDiffusion, a
     StableDiffusionXL or (family "mmdit") a RectifiedFlowTransformer.
@@ -196,9 +201,11 @@ def build_model(
         "math" (the plain attention processor, for debugging or exotic devices; UNet presets only).
     low_precision_norms: "amp_bf16" or "amp_fp16" to run the denoiser's GroupNorm/LayerNorm in that
         precision with Composer's low-precision modules (only meaningful under that AMP precision).
-    compile_unet: true to torch.compile the denoiser (UNet or transformer), or a dict of torch.compile
-        options, e.g. {mode: max-autotune} or {backend: aot_eager} (no C compiler needed; what the
-        CPU tests use).
+    compile_unet: true to torch.compile the denoiser (UNet or transformer) in place, or a dict of
+        torch.compile options, e.g. {mode: reduce-overhead} (CUDA graphs) or {backend: aot_eager} (no
+        C compiler needed). Static shapes unless the dict gives `dynamic`: one graph per input shape
+        (each aspect-ratio bucket's), compiled at its first batch, never a dynamic-shape one. Under
+        CUDA graphs each denoiser call starts a new CUDA-graph step (models/torch_compile.py says why).
     fsdp_wrap, activation_checkpointing: the denoiser's FSDP units ("unet": the whole network,
         "blocks", "layers") and the ones recomputed in the backward pass under FSDP (None, "blocks",
         "layers"); see models/sharding.py (a transformer's blocks and layers are both its
@@ -206,6 +213,11 @@ def build_model(
     lora: {rank, alpha, target_modules, dropout} trains a peft LoRA adapter instead of the UNet
         (models/lora.py); needs every network from `pretrained`, and checkpoints hold the adapter only.
         UNet presets only, for now.
+    param_dtype: None or "float32" (the default: fp32 weights, which autocast casts to bf16 on each
+        use), or "bfloat16": the denoiser's weights and buffers are bf16 (cast after the other
+        switches), so the forward and backward read them as they are; the run's AdamW keeps fp32
+        master weights and moments (extensions/master_weights.py). The frozen VAE and text encoders
+        stay as they are.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -224,6 +236,8 @@ def build_model(
     if pretrained_components is None:
         pretrained_components = (denoiser_name(preset), "vae", "text_encoder", "tokenizer")
     _check_switches(preset, pretrained_components, attention, lora, fsdp_wrap, activation_checkpointing)
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"model.param_dtype={param_dtype!r}; choose one of {list(PARAM_DTYPES)}")
     pretrained_components = _partners(preset, pretrained_components)
     if "text_encoder_3" in pretrained_components and pretrained is None:
         raise ValueError(
@@ -239,11 +253,13 @@ def build_model(
     if lora is not None:
         add_lora(denoiser, **lora)
     _speed_switches(denoiser, attention, gradient_checkpointing, channels_last, low_precision_norms)
+    if PARAM_DTYPES[param_dtype] is not None:
+        # In place, channels-last kept. nn.Module's: diffusers' override warns of fp32 modules to
+        # keep even when its list of them is empty (the UNet's and SD3 transformer's are).
+        torch.nn.Module.to(denoiser, PARAM_DTYPES[param_dtype])
     configure_sharding(denoiser, fsdp_wrap, activation_checkpointing)
     if compile_unet:
-        # In place (nn.Module.compile), not torch.compile(unet): a wrapper would rename every
-        # weight to `_orig_mod.*` in checkpoints, EMA and export.
-        denoiser.compile(**(compile_unet if isinstance(compile_unet, dict) else {}))
+        compile_denoiser(denoiser, compile_unet if isinstance(compile_unet, dict) else {})
 
     model = MODEL_CLASSES[kind](caption_drop_prob=caption_drop_prob, **options, **parts)
     if lora is not None:

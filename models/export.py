@@ -132,7 +132,10 @@ def load_model_from_checkpoint(
         predicts (epsilon when None; an mmdit model predicts the flow, and takes no prediction type).
     """
     state = read_checkpoint(path)
-    weights = raw_state(state)
+    # In fp32 whatever the run trained in: a model.param_dtype=bfloat16 run's bf16 weights (upcast
+    # exactly) load, sample and export as every other model's do.
+    low = (torch.bfloat16, torch.float16)
+    weights = {k: v.float() if v.dtype in low else v for k, v in raw_state(state).items()}
     averaged = ema_state(state)
     if ema and averaged is None:
         raise CheckpointError(

@@ -70,7 +70,7 @@ from torchmetrics import MeanSquaredError
 
 from compat.diffusers import DiagonalGaussianDistribution
 from models.flops import transformer_training_flops
-from models.stable_diffusion import StableDiffusion
+from models.stable_diffusion import StableDiffusion, in_dtype
 from models.tokenizer import tokenize
 
 LOSS_WEIGHTINGS = (None, "sigma_sqrt", "cosmap")
@@ -138,6 +138,7 @@ class RectifiedFlowTransformer(ComposerModel):
     vae_moments = StableDiffusion.vae_moments
     vae_scale_factor = StableDiffusion.vae_scale_factor
     _drop_mask = StableDiffusion._drop_mask
+    denoiser_dtype = StableDiffusion.denoiser_dtype
     eval_forward = StableDiffusion.eval_forward
     eval_seeds = StableDiffusion.eval_seeds
     get_metrics = StableDiffusion.get_metrics
@@ -391,7 +392,9 @@ class RectifiedFlowTransformer(ComposerModel):
         sigma = t[:, None, None, None]
         noisy = (1 - sigma) * latents + sigma * noise
         timesteps = t * self.noise_scheduler.config.num_train_timesteps
-        prediction = self.transformer(hidden_states=noisy, timestep=timesteps, **condition).sample
+        dtype = self.denoiser_dtype
+        condition = in_dtype(condition, dtype)
+        prediction = self.transformer(hidden_states=noisy.to(dtype), timestep=timesteps, **condition).sample
         return prediction, noise - latents, t
 
     def loss(self, outputs, batch):
@@ -489,13 +492,15 @@ class RectifiedFlowTransformer(ComposerModel):
                 [torch.randn(shape[1:], generator=torch.Generator().manual_seed(s)) for s in seeds]
             )
         latents = noise.to(device, condition["encoder_hidden_states"].dtype)
+        dtype = self.denoiser_dtype
+        condition = in_dtype(condition, dtype)
         was_training = self.transformer.training
         self.transformer.eval()
         for t in scheduler.timesteps:
             model_in = torch.cat([latents, latents]) if guided else latents
             velocity = self.transformer(
-                hidden_states=model_in, timestep=t.expand(model_in.shape[0]), **condition
-            ).sample
+                hidden_states=model_in.to(dtype), timestep=t.expand(model_in.shape[0]), **condition
+            ).sample.float()
             if guided:
                 uncond, cond = velocity.chunk(2)
                 velocity = uncond + guidance_scale * (cond - uncond)

@@ -17,7 +17,8 @@ run under `init_empty_weights` (no random init).
 A resumed run whose model differs from its checkpoint's record in what it predicts, in its noise
 schedule or in its rectified-flow timestep options (a timestep_shift of None compared as the
 scheduler's shift it stands for) is warned about: the checkpoint would be resumed with a different
-objective.
+objective. So is one whose `param_dtype` differs: the optimizer's class differs too
+(extensions/master_weights.py), and Composer then restores no optimizer state.
 """
 
 import logging
@@ -96,6 +97,9 @@ def describe(model) -> dict:
         # are the adapter only).
         "pretrained": getattr(model, "pretrained", None),
         "lora": getattr(model, "lora", None),
+        # The dtype the denoiser trained in (model.param_dtype): "float32", or "bfloat16" with fp32
+        # masters in the optimizer state. `rebuild` builds fp32 whatever it is (models/export.py).
+        "param_dtype": str(model.denoiser_dtype).removeprefix("torch."),
     }
     if family == "mmdit":
         record["transformer"] = _plain(model.transformer.config)
@@ -230,7 +234,7 @@ class ModelRecord(Callback):
 
     def load_state_dict(self, state: dict) -> None:
         # FLOW_OPTIONS: None == None in the records of a UNet model, which have none.
-        for key in ("prediction_type", "zero_terminal_snr", *FLOW_OPTIONS):
+        for key in ("prediction_type", "zero_terminal_snr", *FLOW_OPTIONS, "param_dtype"):
             if _setting(state, key) != _setting(self.record, key):
                 log.warning(
                     "resuming a checkpoint recorded with %s=%r into a model with %s=%r",
@@ -245,6 +249,8 @@ def _setting(record: dict, key: str):
     """The record's `key`; an mmdit record's timestep_shift None as the scheduler's shift it means
     (models/mmdit.py: RectifiedFlowTransformer.shift_for)."""
     value = record.get(key)
+    if key == "param_dtype":  # records written before it trained fp32
+        return value or "float32"
     if key == "timestep_shift" and value is None and record_family(record) == "mmdit":
         return (record.get("scheduler") or {}).get("shift", 1.0)
     return value

@@ -113,6 +113,13 @@ class StableDiffusion(ComposerModel):
         return self.unet
 
     @property
+    def denoiser_dtype(self) -> torch.dtype:
+        """The dtype of the denoiser's weights: fp32, or bf16 with model.param_dtype (models/build.py).
+        Its inputs are cast to it where the model calls it, so it runs outside autocast too (on the
+        CPU, in sampling); its output is read back in fp32 (the loss, the sampler's steps)."""
+        return next(self.denoiser.parameters()).dtype
+
+    @property
     def zero_terminal_snr(self) -> bool:
         return bool(self.noise_scheduler.config.get("rescale_betas_zero_snr", False))
 
@@ -208,7 +215,8 @@ class StableDiffusion(ComposerModel):
             target = noise
         else:
             target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
-        prediction = self.unet(noisy, timesteps, **condition).sample
+        dtype = self.denoiser_dtype
+        prediction = self.unet(noisy.to(dtype), timesteps, **in_dtype(condition, dtype)).sample
         return prediction, target, timesteps
 
     def _snr(self, timesteps: torch.Tensor) -> torch.Tensor:
@@ -325,7 +333,9 @@ class StableDiffusion(ComposerModel):
         width = width or self.unet.config.sample_size * factor
 
         n = len(prompts)
+        dtype = self.denoiser_dtype
         condition = self.prompt_condition(list(prompts), negative_prompt, (height, width), device)
+        condition = in_dtype(condition, dtype)
         shape = (n, self.unet.config.in_channels, height // factor, width // factor)
         if seeds is None:
             noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
@@ -339,7 +349,7 @@ class StableDiffusion(ComposerModel):
         self.unet.eval()
         for t in scheduler.timesteps:
             model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
-            eps = self.unet(model_in, t, **condition).sample
+            eps = self.unet(model_in.to(dtype), t, **condition).sample.float()
             eps_uncond, eps_cond = eps.chunk(2)
             eps = eps_uncond + guidance_scale * (eps_cond - eps_uncond)
             if guidance_rescale > 0:
@@ -348,6 +358,21 @@ class StableDiffusion(ComposerModel):
         self.unet.train(was_training)
         images = self.vae.decode(latents / self.latent_scale).sample
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def in_dtype(condition: dict, dtype: torch.dtype) -> dict:
+    """The denoiser's conditioning keywords with their embeddings in `dtype` (a no-op in fp32). Not
+    SDXL's `time_ids`: sizes in pixels, which bf16 would round (1023 -> 1024); the UNet casts their
+    sinusoidal embedding itself."""
+    cast = {}
+    for key, value in condition.items():
+        if isinstance(value, dict):  # SDXL's added_cond_kwargs
+            cast[key] = in_dtype(value, dtype)
+        elif key == "time_ids" or not value.is_floating_point():
+            cast[key] = value
+        else:
+            cast[key] = value.to(dtype)
+    return cast
 
 
 def seeded_draws(seeds: list[int], latent_shape, num_timesteps: int, device) -> dict[str, torch.Tensor]:

@@ -124,6 +124,7 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
         for name, spec in getattr(run, section).items():
             _check_target(spec, f"{section}.{name}")
     _check_target(run.optimizer, "optimizer", supplied=("params",))
+    _check_param_dtype(run)
     if run.scheduler is not None:
         _check_target(run.scheduler, "scheduler")
     _check_values(run)
@@ -192,6 +193,42 @@ def _check_model_keys(model: dict) -> None:
     for key in model:
         if key not in params:
             raise _unknown_key("model", key, params)
+
+
+def _check_param_dtype(run: RunConfig) -> None:
+    """model.param_dtype: a value models.build knows, and with bf16 weights what can train them:
+    torch.optim.AdamW (which the recipe swaps for its master-weight version,
+    extensions/master_weights.py), bf16 autocast or none, and no FSDP (whose mixed precision casts
+    fp32 weights to bf16 once per step itself)."""
+    from hydra.utils import get_object
+
+    from models.build import PARAM_DTYPES
+
+    value = run.model.get("param_dtype")
+    if not isinstance(value, str | None) or value not in PARAM_DTYPES:
+        raise ConfigError(f"'model.param_dtype' must be one of {list(PARAM_DTYPES)}, got {value!r}")
+    if PARAM_DTYPES[value] is None:
+        return
+    import torch
+
+    target = run.optimizer.get("_target_")
+    if get_object(target) is not torch.optim.AdamW:
+        raise ConfigError(
+            f"'model.param_dtype' is {value}, which needs optimizer._target_ torch.optim.AdamW (it keeps "
+            f"the fp32 master weights: extensions/master_weights.py), not {target}"
+        )
+    precision = run.trainer.get("precision") or "fp32"
+    if precision not in ("fp32", "amp_bf16"):
+        raise ConfigError(
+            f"'model.param_dtype' is {value}, which trains under trainer.precision amp_bf16 or fp32, "
+            f"not {precision}"
+        )
+    if (run.trainer.get("parallelism_config") or {}).get("fsdp") is not None:
+        raise ConfigError(
+            f"'model.param_dtype' is {value} with trainer.parallelism_config.fsdp: FSDP keeps fp32 "
+            "weights and casts them to bf16 once per step itself (its mixed_precision); leave "
+            "model.param_dtype unset"
+        )
 
 
 def _check_trainer_keys(trainer: dict) -> None:

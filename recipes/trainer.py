@@ -13,7 +13,7 @@ import torch
 from composer import Trainer
 from composer.loggers import MLFlowLogger
 from composer.utils import dist, reproducibility
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 
 from common.secrets import protect_config_secrets, redact
@@ -21,6 +21,7 @@ from compat.composer import cache_fsdp_enabled, mlflow_run_id
 from data.loader import build_image_caption_dataloader
 from extensions.callbacks import IsolateEvalRng, RestoreRngOnResume
 from extensions.checkpointing import install_atomic_checkpoint_writes
+from extensions.master_weights import MasterWeightAdamW, needs_masters
 from models import build
 from models.build import MODEL_CLASSES
 from models.presets import size_multiple
@@ -142,7 +143,7 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
         eval_loader.generator = torch.Generator().manual_seed(run.seed)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = instantiate(run.optimizer, params=trainable)
+    optimizer = _optimizer(run.optimizer, trainable)
     scheduler = instantiate(run.scheduler) if run.scheduler is not None else None
     cap = run.trainer.get("device_train_microbatch_size")
     log.info(
@@ -176,6 +177,17 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
         loggers=[_instantiate_logger(spec) for spec in run.loggers.values()],
         **_trainer_options(run.trainer, plan),
     )
+
+
+def _optimizer(spec: dict, trainable: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """`spec` (run.optimizer) over the trainable parameters; over bf16 ones (model.param_dtype), the
+    same AdamW keeping fp32 master weights in its state (extensions/master_weights.py)."""
+    if not needs_masters(trainable):
+        return instantiate(spec, params=trainable)
+    if get_object(spec["_target_"]) is not torch.optim.AdamW:  # recipes/config.py refuses it first
+        raise ConfigError(f"'optimizer._target_' {spec['_target_']} keeps no fp32 master weights")
+    master_weight_adamw = f"{MasterWeightAdamW.__module__}.{MasterWeightAdamW.__qualname__}"
+    return instantiate({**spec, "_target_": master_weight_adamw}, params=trainable)
 
 
 def _trainer_options(trainer: dict, plan: BatchPlan) -> dict:

@@ -97,6 +97,10 @@ RELIED_ON = [
         ("module", "checkpoint_impl"),
     ),
     ("torch._dynamo.utils", "counters", None),
+    ("torch._dynamo", "explain", ("f",)),
+    ("torch._inductor", "list_mode_options", ("mode", "dynamic")),
+    ("torch._dynamo", "config", None),
+    ("torch._dynamo.config", "recompile_limit", None),
     ("torch.nn:Module", "_compiled_call_impl", ASSIGNED),
     # transformers 4.57.6 (compat/transformers.py)
     ("transformers.tokenization_utils:PreTrainedTokenizer", "_added_tokens_decoder", ASSIGNED),

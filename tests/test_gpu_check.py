@@ -1,7 +1,9 @@
-"""bench/gpu_check.py without a GPU: one clear line, and every configuration it would run is a valid
-sd2-base config (so a GPU session does not spend its time on a typo)."""
+"""bench/gpu_check.py without a GPU: one clear line, every configuration it would run is a valid config
+of its preset (so a GPU session does not spend its time on a typo), the e2e check's verdicts, the
+random latents and the plain-loop ceiling. Its runner, bench/gpu_runs.py: tests/test_gpu_runs.py."""
 
 import importlib.util
+import json
 import sys
 import warnings
 
@@ -18,6 +20,8 @@ spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench/gpu_che
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
 gpu_e2e = sys.modules["bench.gpu_e2e"]
+gpu_runs = sys.modules["bench.gpu_runs"]
+plain_loop = sys.modules["bench.plain_loop"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
@@ -123,57 +127,26 @@ def test_sd2_latents_are_shaped_like_convert_latents(tmp_path):
     assert np.isfinite(sample["latents"].numpy()).all()
 
 
-def test_plain_loop_ceiling_trains_the_recipes_model():
+def test_plain_loop_ceiling_trains_the_recipes_model(tmp_path):
     """The ceiling row (a plain loop over the same model) runs the real model's loss and optimizer;
-    here on the tiny preset on the CPU, where it must report a positive rate and no GPU memory."""
-    img_s, peak = gpu_check.plain_loop("tiny", 32, batch=2, steps=2, warmup=1, device="cpu")
+    here on the tiny preset on the CPU, where it must report a positive rate and no GPU memory, and
+    its profile no GPU activity."""
+    profile = tmp_path / "profile.json"
+    img_s, peak = plain_loop.plain_loop("tiny", 32, batch=2, steps=2, warmup=1, device="cpu", profile=profile)
     assert img_s > 0 and peak is None
+    summary = json.loads(profile.read_text())
+    assert summary["variant"] == gpu_runs.PLAIN and summary["steps"] == 3
+    assert summary["gpu_busy_fraction"] is None and summary["aten_ops_per_step"] > 100
 
 
 def test_table_reports_the_training_path_against_the_plain_loop():
     rows = [
         {"variant": "baseline", "resolution": 256, "microbatch": 32, "ok": True, "img_s": 100.0,
          "memory_gb": 18.0, "mfu": 0.05},
-        {"variant": gpu_check.PLAIN, "resolution": 256, "microbatch": 32, "ok": True, "img_s": 200.0,
+        {"variant": gpu_runs.PLAIN, "resolution": 256, "microbatch": 32, "ok": True, "img_s": 200.0,
          "memory_gb": None, "mfu": 0.10},
     ]  # fmt: skip
-    text = gpu_check.table(rows)
+    rows[0].update(profile="p.json", gpu_busy=0.42, launches=2496.0, syncs=7.0)
+    text = gpu_runs.table(rows, gpu_check.ANCHORS)
     assert "baseline / plain loop at 256 px: 0.50x" in text and "| 200.0 | 10.0% | ? |" in text
-
-
-@pytest.mark.parametrize(
-    "resolutions, only, expected",
-    [
-        (
-            (256, 512),
-            ["compile"],
-            [(256, "base"), (256, "compile"), (512, "base"), (512, "compile"), "plain"],
-        ),
-        ((256,), ["compile"], [(256, "base"), (256, "compile"), "plain"]),
-        ((512,), ["compile"], [(512, "base"), (512, "compile")]),  # no 256 px best: the chosen ones
-    ],
-)
-def test_throughput_runs_what_was_asked_within_one_device_call(
-    monkeypatch, tmp_path, resolutions, only, expected
-):
-    """A device call is capped at 10 minutes and each variant takes 75-100 s, so --variants and
-    --resolutions decide what runs; the 512 px rows follow 256 px's best."""
-    ran, base = [], next(iter(gpu_check.VARIANTS))
-
-    def fake_throughput(n, out, resolution, name, overrides, batches, preset="sd2-base"):
-        ran.append((resolution, "base" if name == base else name))
-        result = tmp_path / f"{len(ran)}.json"
-        result.write_text("{}")
-        img_s = 2.0 if name == "compile" else 1.0
-        return {"variant": name, "resolution": resolution, "microbatch": 32, "ok": True, "img_s": img_s,
-                "memory_gb": 1.0, "file": result, "mfu": 0.1}  # fmt: skip
-
-    def fake_plain_loop(*args, **kwargs):
-        ran.append("plain")
-        return 3.0, None
-
-    monkeypatch.setattr(gpu_check, "throughput", fake_throughput)
-    monkeypatch.setattr(gpu_check, "plain_loop", fake_plain_loop)
-    monkeypatch.setattr(gpu_check, "peak_flops", lambda: 1e15)
-    rows = gpu_check.part_throughput(1, tmp_path, quick=False, only=only, resolutions=resolutions)
-    assert ran == expected and len(rows) == len(expected)
+    assert "| 18.0 | 0.23x | 42% | 2,496 | 7 |" in text
