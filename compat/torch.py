@@ -21,8 +21,8 @@
 - `nn.Module._compiled_call_impl`: set by `Module.compile()` (in place); tests check it
   (`is_compiled`).
 
-`torch._foreach_*` (extensions/ema.py, extensions/master_weights.py) is left out: documented and
-stable in practice.
+`torch._foreach_*` (extensions/ema.py, extensions/master_weights.py, extensions/persistent_grads.py) is
+left out: documented and stable in practice.
 """
 
 import importlib

@@ -39,6 +39,12 @@ def compile_denoiser(denoiser: torch.nn.Module, options: dict) -> None:
     denoiser.compile(**options)
 
 
+def compiles_with_cudagraphs(compile_unet) -> bool:
+    """Whether `model.compile_unet` (false, true or a dict of torch.compile options) runs the
+    denoiser under CUDA graphs."""
+    return isinstance(compile_unet, dict) and uses_cudagraphs(compile_unet)
+
+
 def uses_cudagraphs(options: dict) -> bool:
     """Whether torch.compile with `options` replays its graphs as CUDA graphs (cudagraph trees)."""
     if options.get("backend") == "cudagraphs":  # dynamo's backend of that name: AOT graphs, replayed

@@ -125,6 +125,7 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
             _check_target(spec, f"{section}.{name}")
     _check_target(run.optimizer, "optimizer", supplied=("params",))
     _check_param_dtype(run)
+    _check_cudagraphs(run)
     if run.scheduler is not None:
         _check_target(run.scheduler, "scheduler")
     _check_values(run)
@@ -228,6 +229,22 @@ def _check_param_dtype(run: RunConfig) -> None:
             f"'model.param_dtype' is {value} with trainer.parallelism_config.fsdp: FSDP keeps fp32 "
             "weights and casts them to bf16 once per step itself (its mixed_precision); leave "
             "model.param_dtype unset"
+        )
+
+
+def _check_cudagraphs(run: RunConfig) -> None:
+    """The denoiser under CUDA graphs (model.compile_unet with mode reduce-overhead or max-autotune)
+    and FSDP do not go together: FSDP gathers each unit's weights into new memory at every forward,
+    so the graphs, which read fixed addresses, would be recorded again at every step."""
+    from models.torch_compile import compiles_with_cudagraphs
+
+    compile_unet = run.model.get("compile_unet")
+    if compiles_with_cudagraphs(compile_unet) and (run.trainer.get("parallelism_config") or {}).get("fsdp"):
+        raise ConfigError(
+            f"'model.compile_unet' is {compile_unet}, which replays CUDA graphs, with "
+            "trainer.parallelism_config.fsdp: FSDP gathers its weights into new memory every step and "
+            "the graphs would be recorded again each time; use compile_unet: true (no CUDA graphs) "
+            "or no FSDP"
         )
 
 

@@ -22,10 +22,12 @@ from data.loader import build_image_caption_dataloader
 from extensions.callbacks import IsolateEvalRng, RestoreRngOnResume
 from extensions.checkpointing import install_atomic_checkpoint_writes
 from extensions.master_weights import MasterWeightAdamW, needs_masters
+from extensions.persistent_grads import PersistentGradients
 from models import build
 from models.build import MODEL_CLASSES
 from models.presets import size_multiple
 from models.record import ModelRecord, describe
+from models.torch_compile import compiles_with_cudagraphs
 from recipes.config import ConfigError, RunConfig, check_device, parse_config
 from recipes.prepare import ensure_dataset, prepare_pretrained
 from recipes.resume import remote_autoresume
@@ -162,6 +164,8 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
         plan.grad_accum,
     )
     callbacks = [instantiate(spec) for spec in run.callbacks.values()]
+    if compiles_with_cudagraphs(run.model.get("compile_unet")):  # gradients out of the graphs' memory
+        callbacks.append(PersistentGradients(model.denoiser))
     if isinstance(model, tuple(MODEL_CLASSES.values())):  # every checkpoint says what model it holds
         callbacks.append(ModelRecord(describe(model)))
     return dict(

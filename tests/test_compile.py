@@ -10,6 +10,7 @@ backend that records the graphs dynamo hands over and runs them as they are; onl
 test pays for inductor's code generation.
 """
 
+import copy
 import gc
 
 import pytest
@@ -19,10 +20,11 @@ from composer.core import Callback
 from bench.narrow import PRESET as NARROW
 from bench.narrow import register_preset
 from compat.torch import counters, explain, is_compiled, list_mode_options
+from extensions.persistent_grads import PersistentGradients
 from models import MODELS, PRESETS, build
 from models.tokenizer import tokenize
 from models.torch_compile import CUDAGRAPH_MODES, uses_cudagraphs
-from recipes import build_trainer, load_config
+from recipes import ConfigError, build_trainer, load_config, parse_config
 from tests.conftest import REPO, tiny_run
 
 
@@ -159,9 +161,16 @@ def test_nothing_recompiles_after_the_first_batch(shapes_mds, monkeypatch):
     ]
     trainer = build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", overrides))
     counts = CompileCounts()
+    # Under CUDA graphs the gradients live in buffers of their own (extensions/persistent_grads.py).
+    (persistent,) = [c for c in trainer.state.callbacks if isinstance(c, PersistentGradients)]
+    own_buffers = []
+    counts.after_backward = lambda state, logger: own_buffers.append(
+        all(p.grad is b for p, b in zip(state.model.unet.parameters(), persistent.buffers, strict=True))
+    )
     trainer.state.callbacks.append(counts)
     trainer.fit()
     trainer.close()
+    assert own_buffers == [True] * 2 * 21  # after every microbatch's backward
     del trainer
     gc.collect()  # the streaming dataset's shared memory
     # (graphs, frames): the UNet's training forward, then its evaluation one after batch 5's eval.
@@ -309,3 +318,37 @@ def test_inductor_trains_to_the_eager_losses(preset, options):
     losses = _losses(compiled, 10)
     assert counters["stats"]["unique_graphs"] == 1  # the compiled path ran, compiled once
     torch.testing.assert_close(losses, expected, rtol=1e-2, atol=0)
+
+
+def test_gradients_accumulate_in_buffers_of_their_own_across_microbatches_and_batches():
+    """Under CUDA graphs a gradient that autograd took over from the backward's output would live in
+    the graph's memory, which the next microbatch's replay overwrites (extensions/persistent_grads.py).
+    With PersistentGradients each gradient is the parameter's own buffer, the same one every
+    microbatch and batch, and holds what unset gradients would: the sum over the microbatches."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.SiLU(), torch.nn.Linear(8, 2))
+    reference = copy.deepcopy(module)
+    persistent = PersistentGradients(module)
+    params = list(module.parameters())
+    for _ in range(3):  # batches
+        inputs = torch.randn(2, 3, 4)  # 2 microbatches of 3
+        for model in (module, reference):
+            for p in model.parameters():
+                p.grad = None  # Composer's zero_grad(set_to_none=True) before each batch
+        for microbatch in inputs:
+            persistent.before_forward(None, None)
+            module(microbatch).square().sum().backward()
+            reference(microbatch).square().sum().backward()
+        assert all(p.grad is buffer for p, buffer in zip(params, persistent.buffers, strict=True))
+        for p, q in zip(params, reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_cuda_graphs_with_fsdp_is_one_config_error():
+    fsdp = "+trainer.parallelism_config={fsdp: {sharding_strategy: SHARD_GRAD_OP}}"
+    cudagraphs = "model.compile_unet={mode: reduce-overhead}"
+    match = r"^'model.compile_unet' is .*reduce-overhead.* with trainer"
+    with pytest.raises(ConfigError, match=match) as error:
+        parse_config(load_config(REPO / "yamls/tiny-cpu.yaml", [fsdp, cudagraphs]))
+    assert "\n" not in str(error.value)
+    parse_config(load_config(REPO / "yamls/tiny-cpu.yaml", [fsdp, "model.compile_unet=true"]))  # no graphs
