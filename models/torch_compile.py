@@ -71,7 +71,8 @@ def _new_cudagraph_step(module: torch.nn.Module, args) -> None:
     the step (a training-mode forward whose backward never ran, e.g. one whose backward ran out of
     memory and that Composer's automatic microbatching retries smaller). Reading an earlier call's
     output after the next call raises torch's "overwritten by a subsequent run" error, never stale
-    data.
+    data. Gradients, which autograd would otherwise take over from a graph's output, are kept out of
+    the graphs' memory by extensions/persistent_grads.py (recipes/trainer.py adds it).
 
     A hook, not code around the compiled call, kept out of dynamo (`torch.compiler.disable`): it
     runs as plain Python before the forward's graph (tests/test_compile.py checks the order). Torch
