@@ -1,26 +1,31 @@
 """`make gpu-check`: the GPU path of yamls/sd2-base.yaml, measured and checked, in runs that each fit
 one device call of at most 10 minutes (a GPU machine is lent rarely, for 15 minutes in all).
 
-    python bench/gpu_check.py [--run 1|2|3|4] [--budget 570] [--out runs/gpu-check]
+    python bench/gpu_check.py [--run 1..7] [--budget 450] [--out runs/gpu-check]
     python bench/gpu_check.py [--parts throughput e2e ema] [--variants TEXT ...] [--resolutions 256 512]
                               [--quick] [--deterministic] [--preset sd2-base|sdxl-base|sd3-medium]
 
 RUNS (bench/gpu_runs.py; `make gpu-check` is run 1, `make gpu-check PART=2` run 2, ...), each job in
-its own process (a `composer -n GPUS` per variant), in order, with its estimated seconds on one H100
-(ESTIMATE_S):
-  1. 256 px, the new step against today's and the ceiling (~480 s): the baseline (90), the plain
-     loop (60), compile + CUDA graphs + bf16 weights + channels_last (240), bf16 weights (90).
-  2. 512 px and the resume (~560 s): at 512 px, run 1's best 256 px variant (read from
-     OUT/gpu-check-run1.json; without it the combination above) (260); e2e with --deterministic (300).
-  3, 4. What each part of the combination buys (~525 s, ~530 s): compile + CUDA graphs, compile, the
-     EMA's storage variants; compile + channels_last, the baseline at 512 px, FSDP per block,
-     2x microbatch.
+its own process (a `composer -n GPUS` per variant), in order, cheapest and most certain first, with its
+estimated seconds on one H100 (ESTIMATE_S), within a budget of 450 s (a device call's 600 s less
+installing the carried wheels, 30-60 s, and packing the results):
+  1. Does the new step beat today's at 256 px, and how far is each from the ceiling? (~390 s): the
+     baseline (90), the plain loop (60), then compile + CUDA graphs + bf16 weights + channels_last
+     (240: last, as its compile is a guess; it may take the run's 60 s to spare).
+  2. Does sd2-base.yaml train, save, resume bitwise, export and generate on the GPU, and do the EMA's
+     storage variants agree? (~375 s): e2e with --deterministic (330; 324 s measured without it on
+     2026-11-24), then the EMA check (45).
+  3. Does it win at 512 px as well? (~370 s): the baseline at 512 px (110), then run 1's best 256 px
+     variant (read from OUT/gpu-check-run1.json; without it the combination above) at 512 px (260).
+  4-7. What each part of the combination buys, and whether CUDA graphs hold with gradient
+     accumulation: 4 (~420 s): bf16 weights (90), FSDP per block (90), the combination with 2
+     microbatches a batch (240); 5 (~330 s): 2x microbatch (90), compile + CUDA graphs (240); 6 and 7
+     (~240 s each): compile; compile + channels_last. No two compiled variants fit one run.
 A variant's process took 75-100 s at 256 px on 2026-11-24 (python and imports, building sd2-base's
 UNet, VAE and text encoder, the data loader, 25 batches); torch.compile of the UNet's forward and
 backward adds ~150 s (a guess, never measured: inductor's cache, /tmp/torchinductor_$USER, is shared
-by the processes but misses across dtypes and memory formats). Not everything fits in two calls:
-runs 1 and 2 answer whether the combination wins at both sizes and whether the resume is bitwise;
-3 and 4 say which part of it pays, when there is device time for them.
+by the processes but misses across dtypes and memory formats). A lent machine's 15 minutes hold about
+two runs: 1 and 2 answer what matters first; the others when there is device time for them.
 
 A killed run still leaves what it measured: a job starts only while 75% of its estimate is left of
 `--budget` (seconds from this script's start; 0: no limit), is killed (its whole process group) past
@@ -28,14 +33,17 @@ twice its estimate or the budget's end (the plain loop and the EMA check run in 
 a limit), and after every job OUT/gpu-check-runN.md (the table) and .json (rows, checks, seconds per
 job against its estimate, what was skipped and why) are rewritten.
 
-throughput: bench/throughput.py on sd2-base, bf16, precomputed latents (random, `data.prepare:
-sd2-latents`): img/s per GPU, MFU (models/flops.py against Composer's peak for the GPU), peak memory;
-then a torch.profiler summary of 3 more batches (bench/profile_summary.py) to
-OUT/profile-VARIANT-PX.json: GPU-busy fraction, kernel launches and host syncs per step, top 10
-kernels; one line per variant in the log; its result and log in OUT/tp-PX-K.json and .log (K: the
-next number free of both). The best per size goes to OUT/throughput-256.json / -512.json, which
-`recipes.plan --throughput-file` reads, unless the file holds a faster one of the same recipe on the
-same device (an earlier run's: runs 1 and 3 both time 256 px).
+throughput: bench/throughput.py on sd2-base, bf16, precomputed latents (random; made here once per
+size, `latents`: the largest batch per GPU of the preset's variants times the 5 warm-up, 20 timed and
+3 profiled batches and one more, so no variant's batches cross an epoch's end; sd2-base on one GPU:
+1,856 at 256 px, ~310 MB, ~3 s to make; 928 at 512 px, ~200 MB): img/s per GPU, MFU (models/flops.py
+against Composer's peak for the GPU), peak memory; then a torch.profiler summary of 3 more batches
+(bench/profile_summary.py) to OUT/profile-VARIANT-PX.json: GPU-busy fraction, kernel launches and
+host syncs per step, top 10 kernels; one line per variant in the log; its result and log in
+OUT/tp-PX-K.json and .log (K: the next number free of both). The best per size goes to
+OUT/throughput-256.json / -512.json, which `recipes.plan --throughput-file` reads, unless the file
+holds a faster one of the same recipe on the same device (an earlier run's: runs 1 and 4-7 all time
+256 px).
 plain: bench/plain_loop.py (the recipe's model in a bare PyTorch loop on 1 GPU: the ceiling).
 e2e: bench/gpu_e2e.py (train, save, resume, export, generate; bitwise with --deterministic).
 ema: the EMA's storage variants (fp32 on the GPU, bf16, CPU offload) give the same average.
@@ -62,6 +70,7 @@ from bench.gpu_runs import (  # noqa: E402
     BASE,
     BUDGET_S,
     FULL,
+    FULL_2,
     RUNS,
     composer,
     custom_jobs,
@@ -74,6 +83,8 @@ ANCHORS = {  # img/s per GPU to reach, and where the number comes from
     512: (124.0, "NVIDIA's MLPerf Training v4.1 SD per H100"),
 }
 MICROBATCH = {256: 32, 512: 16}
+WARMUP, PROFILE_STEPS = 5, 3  # batches before the timed ones, and profiled after them
+MARKERS = ("MICROBATCH_X2", "TWO_MICROBATCHES")  # in a variant: its microbatch doubled; 2 a batch
 # The UNet sharded per block, ZeRO-2, bf16 weights: sd2-base's FSDP option (its YAML gives the
 # override that switches it on), timed against the DDP baseline.
 FSDP = "+trainer.parallelism_config={fsdp: {sharding_strategy: SHARD_GRAD_OP, mixed_precision: PURE}}"
@@ -89,6 +100,8 @@ VARIANTS = {  # name -> overrides on top of the recipe; the first is the baselin
     "compile + CUDA graphs": GRAPHS,
     "compile, channels_last": ["model.compile_unet=true", CHANNELS_LAST],
     FULL: [*GRAPHS, BF16, CHANNELS_LAST],
+    # CUDA graphs replayed twice a batch (gradient accumulation): a known hazard, exercised here
+    FULL_2: [*GRAPHS, BF16, CHANNELS_LAST, "TWO_MICROBATCHES"],
     "FSDP per block": [FSDP],  # what sharding costs a model that fits (the recipe's reason for DDP)
     "2x microbatch": ["MICROBATCH_X2"],
 }
@@ -133,22 +146,42 @@ def gpus() -> int:
     return torch.cuda.device_count()
 
 
+def batch_sizes(resolution: int, variant: list[str], preset: str = "sd2-base") -> tuple[int, int]:
+    """(microbatch, batch per GPU) of a variant: the preset's microbatch at `resolution`, doubled by
+    MICROBATCH_X2; TWO_MICROBATCHES makes the batch twice the microbatch (gradient accumulation)."""
+    micro = TARGETS[preset]["microbatch"][resolution] * (2 if "MICROBATCH_X2" in variant else 1)
+    return micro, micro * (2 if "TWO_MICROBATCHES" in variant else 1)
+
+
 def variant_overrides(
     n: int, resolution: int, variant: list[str], preset: str = "sd2-base"
 ) -> tuple[int, list[str]]:
     """(microbatch, the overrides bench/throughput.py gets) for a variant on `n` GPUs."""
-    target = TARGETS[preset]
-    micro = target["microbatch"][resolution] * (2 if "MICROBATCH_X2" in variant else 1)
-    sizes = [f"global_train_batch_size={micro * n}", f"trainer.device_train_microbatch_size={micro}"]
-    data = [o.replace("sd2-latents", target["data"]) for o in DATA]
+    micro, batch = batch_sizes(resolution, variant, preset)
+    sizes = [f"global_train_batch_size={batch * n}", f"trainer.device_train_microbatch_size={micro}"]
+    data = [o.replace("sd2-latents", TARGETS[preset]["data"]) for o in DATA]
     if preset != "sd2-base":  # one flat set of square latents, not the recipe's buckets
         data += ["data.train.buckets=false", "data.train.batching_method=random"]
     return micro, [
         *data,
         f"data.train.resolution={resolution}",
         *sizes,
-        *(o for o in variant if o != "MICROBATCH_X2"),
+        *(o for o in variant if o not in MARKERS),
     ]
+
+
+def latents(out: Path, preset: str, resolution: int, n: int, batches: int) -> Path:
+    """Random latents (recipes/prepare.py) at `resolution` for all of `preset`'s variants on `n` GPUs,
+    made in this one process (not by every rank) unless there: the largest batch per GPU of the variants
+    times the warm-up, timed and profiled batches and one more, so that no variant's measured batches
+    cross an epoch's end (where the data loader's workers restart). The count is in the folder's name,
+    so a folder made for fewer batches or GPUs is not reused."""
+    from recipes.prepare import prepare_random_latents
+
+    largest = max(batch_sizes(resolution, v, preset)[1] for v in TARGETS[preset]["variants"].values())
+    samples = largest * n * (WARMUP + batches + PROFILE_STEPS + 1)
+    folder = out / f"latents-{preset}-{resolution}px-{samples}"
+    return prepare_random_latents(folder, preset, n=samples, resolutions=(resolution,))
 
 
 def slug(name: str, resolution: int | None) -> str:
@@ -180,8 +213,9 @@ def throughput(
     result_file = out / f"tp-{resolution}-{next_number(out)}.json"
     profile = out / f"profile-{slug(name, resolution)}.json"
     args = ["bench/throughput.py", TARGETS[preset]["recipe"], *overrides, "--batches", str(batches)]
-    data = out / ("latents" if preset == "sd2-base" else f"latents-{preset}")
-    args += ["--warmup", "5", "--data", str(data), "--out", str(result_file), "--profile", str(profile)]
+    data = latents(out, preset, resolution, n, batches)
+    args += ["--warmup", str(WARMUP), "--data", str(data), "--out", str(result_file)]
+    args += ["--profile", str(profile), "--profile-steps", str(PROFILE_STEPS)]
     profile.unlink(missing_ok=True)  # not a previous call's, on the same machine
     done = composer(n, args, result_file.with_suffix(".log"), timeout=timeout)
     row = {"variant": name, "resolution": resolution, "microbatch": micro, "ok": done.returncode == 0}

@@ -4,12 +4,11 @@ RUNS: the jobs of each device call (`make gpu-check PART=N`), with each job's es
 (ESTIMATE_S, estimate); custom_jobs: the jobs --variants, --parts, --resolutions, --quick or another
 preset select instead. run_and_report runs them in order (run_jobs): a job starts only while 75% of
 its estimate is left of --budget; a variant's `composer -n GPUS` process group is killed past twice
-its estimate or the budget's end (composer, run_group); run 2's 512 px variant is run 1's best
+its estimate or the budget's end (composer, run_group); run 3's 512 px variant is run 1's best
 (best_variant); the fastest variant per size goes to OUT/throughput[-PRESET]-PX.json, unless an
 earlier run's there is faster (write_best); after every job OUT/STEM.md (the table) and .json are
-rewritten. gpu_check hands in the variants' overrides (`target`, its TARGETS entry for the preset) and
-the rows (`measure`: its throughput, bench/plain_loop.py's ceiling); the checks are bench/gpu_e2e.py's.
-"""
+rewritten. gpu_check hands in the variants' overrides (`target`: its TARGETS entry for the preset) and
+rows (`measure`: its throughput, bench/plain_loop.py's ceiling); the checks are bench/gpu_e2e.py's."""
 
 import contextlib
 import json
@@ -24,26 +23,29 @@ from bench.gpu_e2e import part_e2e, part_ema
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The jobs' names: the two variants the plan is built around (gpu_check's VARIANTS gives their
-# overrides), the plain loop, run 1's best carried to 512 px, and the two checks.
+# The jobs' names: the variants the plan is built around (gpu_check's VARIANTS: their overrides),
+# the plain loop, run 1's best carried to 512 px, and the two checks.
 BASE = "baseline (sdpa, DDP / no wrapper on 1 GPU)"
 FULL = "compile + CUDA graphs + bf16 weights + channels_last"
+FULL_2 = f"{FULL}, 2 microbatches"  # with gradient accumulation: graphs replayed twice a batch
 PLAIN = "plain PyTorch loop, 1 GPU (the ceiling)"
 BEST = "run 1's best"  # at 512 px: the fastest 256 px variant of run 1 (or of this run)
 E2E_CHECK = "e2e: train, save, resume (--deterministic), export, generate"
 EMA_CHECK = "EMA storage variants"
-RUNS = {  # (kind, name, px): kinds throughput, plain, e2e, ema
-    1: [("throughput", BASE, 256), ("plain", PLAIN, 256), ("throughput", FULL, 256),
-        ("throughput", "bf16 weights", 256)],
-    2: [("throughput", BEST, 512), ("e2e", E2E_CHECK, 256)],
-    3: [("throughput", "compile + CUDA graphs", 256), ("throughput", "compile", 256),
-        ("ema", EMA_CHECK, None)],
-    4: [("throughput", "compile, channels_last", 256), ("throughput", BASE, 512),
-        ("throughput", "FSDP per block", 256), ("throughput", "2x microbatch", 256)],
+# (kind, name, px); each run cheapest and most certain first (a slow compile, a guess, costs only what
+# follows); seconds as estimated (ESTIMATE_S): no two compiled variants (240-260 s) fit one run.
+RUNS = {
+    1: [("throughput", BASE, 256), ("plain", PLAIN, 256), ("throughput", FULL, 256)],  # 90 + 60 + 240
+    2: [("e2e", E2E_CHECK, 256), ("ema", EMA_CHECK, None)],  # 330 + 45
+    3: [("throughput", BASE, 512), ("throughput", BEST, 512)],  # 110 + 260
+    4: [("throughput", "bf16 weights", 256), ("throughput", "FSDP per block", 256),
+        ("throughput", FULL_2, 256)],  # 90 + 90 + 240
+    5: [("throughput", "2x microbatch", 256), ("throughput", "compile + CUDA graphs", 256)],  # 90 + 240
+    6: [("throughput", "compile", 256)], 7: [("throughput", "compile, channels_last", 256)],  # 240 each
 }  # fmt: skip
-# Seconds per job on one H100 (see gpu_check's docstring): a variant's process at each size, plus compiling.
-ESTIMATE_S = {256: 90, 512: 110, 1024: 150, "compile": 150, "plain": 60, "e2e": 300, "ema": 45}
-BUDGET_S = 570  # of a 600 s device call: the rest for this script's start and the last table
+# Seconds per job on one H100 (gpu_check's docstring): a variant's process per size, compiling, the rest.
+ESTIMATE_S = {256: 90, 512: 110, 1024: 150, "compile": 150, "plain": 60, "e2e": 330, "ema": 45}
+BUDGET_S = 450  # of a 600 s device call, which also installs the carried wheels (30-60 s) and packs
 
 
 def estimate(job: tuple, variants: dict) -> int:
@@ -185,8 +187,8 @@ def best_variant(rows: list[dict], out: Path, preset: str, target: dict) -> str 
 
 def write_best(rows: list[dict], out: Path, preset: str, target: dict) -> dict[int, str]:
     """The fastest variant per size in `rows` to OUT/throughput[-PRESET]-PX.json, for recipes.plan, unless
-    the file holds a faster result of the same recipe on the same device, an earlier run's (runs 1 and 3
-    both time 256 px, 2 and 4 512 px), which is kept then; returns, per size, what the file holds."""
+    the file holds a faster result of the same recipe on the same device, an earlier run's (runs 1 and
+    4-7 all time 256 px), which is kept then; returns, per size, what the file holds."""
     held, suffix = {}, "" if preset == "sd2-base" else f"-{preset}"
     for resolution in target["microbatch"]:
         done = [r for r in rows if r["ok"] and r["variant"] != PLAIN and r["resolution"] == resolution]

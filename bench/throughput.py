@@ -8,9 +8,10 @@ Trains the recipe for `--warmup + --batches` batches on synthetic data (the demo
 to the recipe's resolution; nothing is downloaded, and data loading is not what is measured) and
 reports images/s per device over the timed batches: the global batch times batches per second,
 divided by the number of processes. Run it under `composer -n GPUS` on one node to measure what a
-node does; all ranks read one data folder (`--data`, made on first use). Random weights are fine for
-speed, so `model.pretrained` is dropped. Checkpointing, autoresume, algorithms (EMA) and loggers are
-switched off.
+node does; all ranks read one data folder (`--data`, made on first use), whose epoch should hold
+the warm-up, timed and profiled batches (a warning says when it does not; gpu-check makes it so).
+Random weights are fine for speed, so `model.pretrained` is dropped. Checkpointing, autoresume,
+algorithms (EMA) and loggers are switched off.
 
 Per-device throughput hardly depends on gradient accumulation, so on fewer GPUs than the recipe
 was written for, shrink the global batch (`global_train_batch_size=64` on one GPU with microbatch
@@ -104,6 +105,12 @@ def measure(
         cfg.callbacks.pop("samples", None)  # sampling is not training throughput
     resolution = int(cfg.data.train.resolution)
     trainer = build_trainer(cfg)
+    per_epoch, total = trainer.state.dataloader_len, warmup + batches + profile_steps
+    if per_epoch is not None and int(per_epoch) < total:  # the data loader's workers restart in the window
+        logging.warning(
+            "%s holds %d batches an epoch, fewer than the %d run: an epoch's end falls inside the "
+            "measured batches; give --data more samples", cfg.data.train.local, int(per_epoch), total,
+        )  # fmt: skip
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     clock = BatchClock()
@@ -133,6 +140,7 @@ def measure(
         "world_size": dist.get_world_size(),
         "device": device_name(),
         "timed_batches": len(timed) - 1,
+        "batches_per_epoch": int(per_epoch) if per_epoch is not None else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "recipe": str(yaml_path),
         "algorithms": algorithms,

@@ -9,9 +9,15 @@ clone. Here:
   checkpoints gather it whole (every rank takes part, rank 0 writes) so they load on any world
   size and export as usual;
 - updates are one in-place `torch._foreach_lerp_` over all tensors;
+- with bf16 weights whose fp32 masters the run's optimizer keeps (extensions/master_weights.py
+  MasterWeightAdamW) and fp32 storage, the average follows the masters, not the rounded weights:
+  one `torch._foreach_lerp_(average, masters)`, fp32 in and out (before a parameter's first step,
+  which makes its master, it reads the parameter itself);
 - with CPU offload, the weights come to the host in chunks through two pinned buffers on a side
   stream, each chunk's copy waited for (a CUDA event) before the CPU reads it, the next chunk's
-  copy overlapping this chunk's CPU update (see `_OffloadCopy`);
+  copy overlapping this chunk's CPU update (see `_CudaCopy`);
+- each average is laid out like its parameter (and its master), channels-last too: CUDA's fused
+  lerp needs equal strides, and the offload reads both flat in one memory order;
 - nothing is allocated before `ema_start`; at the start the average is the current weights;
 - evaluation and prediction swap the average in by exchanging tensor storage (no copy) and back.
 
@@ -27,6 +33,7 @@ from composer.core import Algorithm, Event, State, Time, TimeUnit
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from compat.torch import free_gathered_weights, uses_orig_params
+from extensions.master_weights import master_of
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +107,9 @@ class EMA(Algorithm):
             trainable parameter of GPU memory (3.5 GB for sd2-base) but each update moves the
             weights over PCIe and averages them on the CPU: prefer `storage="bf16"` on the GPU, or
             offload with an `update_interval` of several batches (`make gpu-check` times each).
+
+    `optimizers` (Composer's `state.optimizers`, set at each event; set it by hand when calling
+    `step` directly) is where fp32 masters of low-precision parameters are looked up.
     """
 
     def __init__(
@@ -136,7 +146,10 @@ class EMA(Algorithm):
         self._raw: list[torch.Tensor] | None = None  # raw weights while swapped (slow path only)
         self._fast_path = False
         self._copy = None  # offloading from a GPU: _CudaCopy (a test may put a slow fake here)
-        self._staging: list[torch.Tensor] = []  # two pinned buffers of OFFLOAD_CHUNK elements
+        # Two pinned buffers of OFFLOAD_CHUNK elements per dtype read (the weights', the masters').
+        self._staging: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._plan: tuple | None = None  # (key, sources, fused averages, fused sources, the rest)
 
     # -- Composer hooks ------------------------------------------------------------------------
     def match(self, event: Event, state: State) -> bool:
@@ -150,6 +163,7 @@ class EMA(Algorithm):
         )
 
     def apply(self, event: Event, state: State, logger) -> None:
+        self.optimizers = state.optimizers
         if event == Event.FIT_START:
             # Bind now, not at INIT: FSDP replaces the parameters when it wraps the model.
             self._bind(state.model)
@@ -172,26 +186,33 @@ class EMA(Algorithm):
         if any(not uses_orig_params(m) for m in sharded):
             raise ValueError("EMA under FSDP needs use_orig_params=True (Composer's default)")
         self._fsdp_root = model if sharded else None
+        self._plan = None
 
     def _device(self, param: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.offload else param.device
 
     def _allocate_from_params(self) -> None:
-        """One flat buffer per device holds the whole average (views per parameter): exactly
-        numel x element size bytes, with no per-tensor allocator rounding."""
+        """One flat buffer per device holds the whole average (views per parameter, with its
+        strides): exactly numel x element size bytes, with no per-tensor allocator rounding."""
         pin = self.offload and torch.cuda.is_available()
         by_device: dict[torch.device, list[int]] = {}
         for i, p in enumerate(self._params):
             by_device.setdefault(self._device(p), []).append(i)
         self._ema = [None] * len(self._params)
+        self._plan = None
+        sources = self._sources()
         for device, indices in by_device.items():
             total = sum(self._params[i].numel() for i in indices)
             flat = torch.empty(total, dtype=self.storage, device=device, pin_memory=pin)
             offset = 0
             for i in indices:
                 p = self._params[i]
-                self._ema[i] = flat[offset : offset + p.numel()].view(p.shape)
-                self._ema[i].copy_(p.detach())
+                # Laid out like the parameter (channels-last too): a fused lerp over tensors of
+                # different strides falls back to one kernel per tensor on CUDA, and the offload
+                # copies both flat in one memory order.
+                strides = torch.empty_like(p, device="meta").stride()
+                self._ema[i] = flat[offset : offset + p.numel()].as_strided(p.shape, strides)
+                self._ema[i].copy_(sources[i].detach())  # the master, if there is one yet
                 offset += p.numel()
 
         # Same dtype and device as the parameters: one fused lerp per update and free swaps.
@@ -203,9 +224,7 @@ class EMA(Algorithm):
             self._copy = _CudaCopy(accelerator)
         if self._copy is not None:
             self._fast_path = False
-            dtype = self._params[0].dtype
-            chunk = min(OFFLOAD_CHUNK, max(p.numel() for p in self._params))
-            self._staging = [torch.empty(chunk, dtype=dtype, pin_memory=pin) for _ in range(2)]
+            self._staging = {}  # made at the first update, for the dtypes it reads
 
     @torch.no_grad()
     def step(self, batch: int, update: bool = True) -> None:
@@ -221,27 +240,86 @@ class EMA(Algorithm):
         weight = 1.0 - self.smoothing**self.update_interval
         if self._fast_path:
             torch._foreach_lerp_(self._ema, self._params, weight)  # no_grad: params are read only
-        elif self._copy is not None:
-            self._offloaded_update(weight)
-        else:  # bf16 storage on the parameters' device: one converted copy of one parameter at a time
-            for e, p in zip(self._ema, self._params):
-                e.lerp_(p.detach().to(e.dtype), weight)
+            return
+        _, sources, fused_ema, fused_sources, rest = self._update_plan()
+        if self._copy is not None:
+            self._offloaded_update(sources, weight)
+            return
+        if fused_ema:  # fp32 masters into an fp32 average (or same-dtype parameters): one call
+            torch._foreach_lerp_(fused_ema, fused_sources, weight)
+        for e, src in rest:  # e.g. bf16 storage of fp32 weights: one converted copy at a time
+            e.lerp_(src.detach().to(e.dtype), weight)
 
-    def _offloaded_update(self, weight: float) -> None:
-        """The CPU average from GPU weights: chunk k+1 is copied while the CPU updates chunk k.
+    def _master(self, p: torch.Tensor) -> torch.Tensor | None:
+        return next((m for o in self.optimizers if (m := master_of(o, p)) is not None), None)
+
+    def _sources(self) -> list[torch.Tensor]:
+        """What each average follows: its parameter's fp32 master where the storage is fp32 and the
+        run's optimizer keeps one (MasterWeightAdamW, from the parameter's first step on), else the
+        parameter. Never masters under FSDP (the recipes refuse bf16 weights with it)."""
+        if self.storage != torch.float32 or self._fsdp_root is not None or not self.optimizers:
+            return self._params
+        return [m if (m := self._master(p)) is not None else p for p in self._params]
+
+    def _update_plan(self) -> tuple:
+        """(check, sources, fused averages, their sources, [(average, source)] of the rest), kept
+        while the optimizers' state is unchanged. A parameter's first step adds its state (and
+        master): the state's length changes. A load replaces every master: one master of the plan
+        is compared by identity with the optimizer's (the plan holds it, so no new tensor can reuse
+        its id)."""
+        lengths = tuple((id(o), len(o.state)) for o in self.optimizers)
+        if self._plan is not None:
+            (planned_lengths, probe, master), *_ = self._plan
+            if planned_lengths == lengths and (probe is None or self._master(probe) is master):
+                return self._plan
+        sources = self._sources()
+        pairs = list(zip(self._ema, sources))
+        fused = [(e, src) for e, src in pairs if e.dtype == src.dtype and e.device == src.device]
+        rest = [(e, src) for e, src in pairs if e.dtype != src.dtype or e.device != src.device]
+        probe = next(((p, src) for p, src in zip(self._params, sources) if src is not p), (None, None))
+        self._plan = (
+            (lengths, *probe),
+            sources,
+            [e for e, _ in fused],
+            [src for _, src in fused],  # read only, under no_grad
+            rest,
+        )
+        return self._plan
+
+    def _staging_for(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        if dtype not in self._staging:
+            chunk = min(OFFLOAD_CHUNK, max(p.numel() for p in self._params))
+            pin = torch.cuda.is_available()
+            self._staging[dtype] = [torch.empty(chunk, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        return self._staging[dtype]
+
+    def _offloaded_update(self, sources: list[torch.Tensor], weight: float) -> None:
+        """The CPU average from GPU weights (or their fp32 masters: twice the bytes over PCIe of
+        bf16 weights, but the average of what the optimizer holds, with no cast on the CPU): chunk
+        k+1 is copied while the CPU updates chunk k.
 
         A staging buffer is refilled only after the CPU has finished reading it (updates run in
-        order), and every copy is waited for before this returns, so the next optimizer step cannot
-        change a parameter while it is being read.
+        order; at most two chunks are in flight, and a buffer's turns are two apart), and every copy
+        is waited for before this returns, so the next optimizer step cannot change a weight while it
+        is being read.
         """
+        flats = []  # (average, source), each flat in the average's memory order
+        for e, p in zip(self._ema, sources):
+            src = p.detach()
+            order = sorted(range(e.dim()), key=e.stride, reverse=True)
+            if order != list(range(e.dim())):  # e.g. channels-last: dims in memory order
+                e, src = e.permute(order), src.permute(order)
+            if not src.is_contiguous():  # laid out unlike the average: rearranged (before begin())
+                src = src.contiguous()
+            flats.append((e.view(-1), src.view(-1)))
         self._copy.begin()
         pending = []  # (ema chunk, staging view, copy done)
         turn = 0
-        for e, p in zip(self._ema, self._params):
-            flat_e, flat_p = e.view(-1), p.detach().view(-1)
-            for start in range(0, flat_p.numel(), len(self._staging[0])):
-                src = flat_p[start : start + len(self._staging[0])]
-                staged = self._staging[turn % 2][: src.numel()]
+        for flat_e, flat_p in flats:
+            staging = self._staging_for(flat_p.dtype)
+            for start in range(0, flat_p.numel(), len(staging[0])):
+                src = flat_p[start : start + len(staging[0])]
+                staged = staging[turn % 2][: src.numel()]
                 turn += 1
                 pending.append((flat_e[start : start + src.numel()], staged, self._copy.start(src, staged)))
                 if len(pending) == 2:

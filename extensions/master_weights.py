@@ -8,8 +8,9 @@ them, at a learning rate of 1e-4), so the optimizer keeps the fp32 copy:
 
 - The model's parameters stay its own `nn.Parameter`s, in bf16: checkpoints, DDP, gradient clipping,
   EMA and parameter names see the model as usual. Each one's optimizer state holds its fp32
-  `master` beside AdamW's fp32 `exp_avg` and `exp_avg_sq`; fp32 parameters (if any) are stepped
-  directly, as torch's AdamW does.
+  `master` beside AdamW's fp32 `exp_avg` and `exp_avg_sq` (`master_of` finds it); fp32 parameters
+  (if any) are stepped directly, as torch's AdamW does. An fp32 EMA (extensions/ema.py) averages
+  the masters, not the rounded weights, in one fused update.
 - A step copies the bf16 gradients to fp32 (one transient fp32 copy of them), runs torch's own AdamW
   (`torch.optim.adamw.adamw`: the fused, foreach or single-tensor kernel that `fused`/`foreach`
   pick, exactly as torch.optim.AdamW would over fp32 weights) on the masters, then writes each
@@ -39,6 +40,16 @@ FP32_STATE = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 def needs_masters(params) -> bool:
     """Whether any of `params` is low precision: an optimizer over them must keep fp32 masters."""
     return any(p.dtype in LOW_PRECISION for p in params)
+
+
+def master_of(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 master of parameter `p` that `optimizer` keeps, or None: not a MasterWeightAdamW, an
+    fp32 parameter, or none yet (a master is made at the parameter's first step, or by a load).
+    The master is updated in place by each step and replaced by `load_state_dict`."""
+    if not isinstance(optimizer, MasterWeightAdamW):
+        return None
+    state = optimizer.state.get(p)  # .get: the state is a defaultdict, and this must not add to it
+    return None if state is None else state.get("master")
 
 
 class MasterWeightAdamW(torch.optim.AdamW):

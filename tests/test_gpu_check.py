@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from data.latent_dataset import LatentsDataset
-from recipes import load_config, parse_config
+from recipes import load_config, parse_config, prepare
 from recipes.prepare import prepare_sd2_latents
 from tests.conftest import REPO
 
@@ -39,7 +39,39 @@ def test_every_variant_is_a_valid_config(variant, resolution):
     bench = ["model.pretrained=null", "data.train.remote=null", "trainer.save_folder=null"]  # throughput.py's
     run = parse_config(load_config(REPO / "yamls/sd2-base.yaml", [*overrides, *bench]))
     assert run.data.train.latents and run.data.train.resolution == resolution
-    assert run.trainer["device_train_microbatch_size"] == micro and run.global_train_batch_size == 8 * micro
+    batch = gpu_check.batch_sizes(resolution, gpu_check.VARIANTS[variant])[1]  # 2 microbatches: twice
+    assert run.trainer["device_train_microbatch_size"] == micro and run.global_train_batch_size == 8 * batch
+
+
+def test_the_combination_with_2_microbatches_differs_only_in_its_batch():
+    """CUDA graphs with gradient accumulation (a known hazard): the combination's overrides, with a
+    global batch of two microbatches per GPU."""
+    full = gpu_check.variant_overrides(2, 256, gpu_check.VARIANTS[gpu_runs.FULL])
+    two = gpu_check.variant_overrides(2, 256, gpu_check.VARIANTS[gpu_runs.FULL_2])
+    assert full[0] == two[0] == 32
+    assert [o.replace("=128", "=64") for o in two[1]] == full[1] and "global_train_batch_size=128" in two[1]
+
+
+@pytest.mark.parametrize("preset", sorted(gpu_check.TARGETS))
+def test_the_latents_hold_every_variants_batches_in_one_epoch(monkeypatch, tmp_path, preset):
+    """The random latents a throughput variant reads hold the warm-up, timed and profiled batches of
+    the preset's largest batch per GPU in one epoch, on any number of GPUs, at the measured size only;
+    the count names the folder (a folder made for fewer is not reused). sd2-base at 256 px on one
+    GPU: 64 x 29 = 1,856 samples (~310 MB)."""
+    made = []
+    monkeypatch.setattr(prepare, "prepare_random_latents", lambda *a, **k: made.append((a, k)) or a[0])
+    target = gpu_check.TARGETS[preset]
+    for px in target["microbatch"]:
+        for gpus in (1, 8):
+            folder = gpu_check.latents(tmp_path, preset, px, gpus, batches=20)
+            (local, preset_made), kwargs = made[-1]
+            assert local == folder and preset_made == preset and kwargs["resolutions"] == (px,)
+            assert folder.name.endswith(f"-{px}px-{kwargs['n']}")
+            for variant in target["variants"].values():
+                batch = gpu_check.batch_sizes(px, variant, preset)[1]
+                assert batch * gpus * (gpu_check.WARMUP + 20 + gpu_check.PROFILE_STEPS) < kwargs["n"]
+    if preset == "sd2-base":
+        assert gpu_check.latents(tmp_path, preset, 256, 1, batches=20).name == "latents-sd2-base-256px-1856"
 
 
 FAMILY_CASES = [

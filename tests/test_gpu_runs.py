@@ -25,8 +25,8 @@ gpu_runs = sys.modules["bench.gpu_runs"]
 
 
 def fake_jobs(monkeypatch, tmp_path, ran: list, seconds: dict | None = None, clock: list | None = None):
-    """gpu_check's throughput and plain loop, and gpu_runs' e2e check, replaced by fakes that record
-    what ran (and, with `clock`, advance a fake clock by `seconds[name]`)."""
+    """gpu_check's throughput and plain loop, and gpu_runs' e2e and EMA checks, replaced by fakes that
+    record what ran (and, with `clock`, advance a fake clock by `seconds[name]`)."""
     base = next(iter(gpu_check.VARIANTS))
 
     def advance(name):
@@ -53,9 +53,15 @@ def fake_jobs(monkeypatch, tmp_path, ran: list, seconds: dict | None = None, clo
         advance("e2e")
         return [], ["resumed: bitwise"]
 
+    def fake_ema():
+        ran.append("ema")
+        advance("ema")
+        return [], {"fp32": 4.4}
+
     monkeypatch.setattr(gpu_check, "throughput", fake_throughput)
     monkeypatch.setattr(gpu_check, "plain_row", fake_plain_row)
     monkeypatch.setattr(gpu_runs, "part_e2e", fake_e2e)
+    monkeypatch.setattr(gpu_runs, "part_ema", fake_ema)
     monkeypatch.setattr(gpu_check, "gpus", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     if clock is not None:
@@ -70,9 +76,10 @@ def fake_jobs(monkeypatch, tmp_path, ran: list, seconds: dict | None = None, clo
             (256, 512),
             ["compile"],
             [(256, "base"), (256, "compile"), (256, "compile + CUDA graphs"), (256, "compile, channels_last"),
-             (256, gpu_runs.FULL), (512, "base"), (512, "compile"), "plain"],
+             (256, gpu_runs.FULL), (256, gpu_runs.FULL_2), (512, "base"), (512, "compile"), "plain"],
         ),
-        ((256,), ["bf16"], [(256, "base"), (256, "bf16 weights"), (256, gpu_runs.FULL), "plain"]),
+        ((256,), ["bf16"],
+         [(256, "base"), (256, "bf16 weights"), (256, gpu_runs.FULL), (256, gpu_runs.FULL_2), "plain"]),
         ((512,), ["2x"], [(512, "base"), (512, "2x microbatch")]),  # no 256 px best: the chosen ones
     ],
 )  # fmt: skip
@@ -87,7 +94,7 @@ def test_chosen_variants_run_as_asked(monkeypatch, tmp_path, resolutions, only, 
 
 
 def run_jobs(run: int) -> list[tuple]:
-    """A run's jobs as (variant, px), run 2's best as the combination it falls back to."""
+    """A run's jobs as (variant, px), run 3's best as the combination it falls back to."""
     return [
         (gpu_runs.FULL if name == gpu_runs.BEST else name, px)
         for kind, name, px in gpu_runs.RUNS[run]
@@ -97,64 +104,83 @@ def run_jobs(run: int) -> list[tuple]:
 
 def test_every_variant_runs_once_and_every_run_fits_its_budget():
     """Each sd2-base variant runs in exactly one run at 256 px, no (variant, px) twice; each run's
-    estimated seconds fit --budget's default, which leaves a 600 s device call time to start; the
-    runs the Makefile names (1 and 2) hold the plain loop and the e2e resume check."""
+    estimated seconds fit --budget's default, which leaves a 600 s device call time to install the
+    carried wheels and pack the results; run 1 (`make gpu-check`) holds the plain loop, run 2 starts
+    with the e2e resume check, and the combination with 2 microbatches runs in run 3 or 4."""
     pairs = [job for run in gpu_runs.RUNS for job in run_jobs(run)]
     assert len(pairs) == len(set(pairs))
     at_256 = [name for name, px in pairs if px == 256]
     assert sorted(at_256) == sorted(gpu_check.VARIANTS)
-    assert (gpu_runs.FULL, 512) in run_jobs(2) and (gpu_runs.BASE, 512) in pairs
+    assert (gpu_runs.FULL, 512) in pairs and (gpu_runs.BASE, 512) in pairs
+    assert gpu_runs.BUDGET_S <= 450
     for run, jobs in gpu_runs.RUNS.items():
         total = sum(gpu_runs.estimate(job, gpu_check.VARIANTS) for job in jobs)
-        assert total <= gpu_runs.BUDGET_S <= 600 - 30, f"run {run}: {total} s"
+        assert total <= gpu_runs.BUDGET_S, f"run {run}: {total} s"
     assert ("plain", gpu_runs.PLAIN, 256) in gpu_runs.RUNS[1]
-    assert any(kind == "e2e" for kind, _, _ in gpu_runs.RUNS[2])
+    assert gpu_runs.RUNS[2][0] == ("e2e", gpu_runs.E2E_CHECK, 256)
+    assert gpu_runs.ESTIMATE_S["e2e"] >= 324  # measured on 2026-11-24, without deterministic mode
+    assert any((gpu_runs.FULL_2, 256) in run_jobs(run) for run in (3, 4))
     compiled = gpu_runs.estimate(("throughput", gpu_runs.FULL, 256), gpu_check.VARIANTS)
     base = gpu_runs.estimate(("throughput", gpu_runs.BASE, 256), gpu_check.VARIANTS)
     assert compiled == base + gpu_runs.ESTIMATE_S["compile"]
 
 
-def test_run_1_then_run_2_writes_as_it_goes_and_takes_run_1s_best_to_512(monkeypatch, tmp_path):
+def test_every_run_goes_cheapest_first():
+    """A slow compile (its 150 s a guess) must not cost the cheap, certain jobs: within each run the
+    jobs go in order of their estimates, but for a first baseline (every ratio is against it) or e2e
+    check (it needs most of a run); run 1 is the baseline, the plain loop, then the combination."""
+    for run, jobs in gpu_runs.RUNS.items():
+        assert all(kind != "e2e" for kind, _, _ in jobs[1:]), f"run {run}"
+        rest = jobs[1:] if jobs[0][1] in (gpu_runs.BASE, gpu_runs.E2E_CHECK) else jobs
+        estimates = [gpu_runs.estimate(job, gpu_check.VARIANTS) for job in rest]
+        assert estimates == sorted(estimates), f"run {run}"
+    assert [name for _, name, _ in gpu_runs.RUNS[1]] == [gpu_runs.BASE, gpu_runs.PLAIN, gpu_runs.FULL]
+
+
+def test_runs_1_2_and_3_write_as_they_go_and_3_takes_run_1s_best_to_512(monkeypatch, tmp_path):
     ran = []
     fake_jobs(monkeypatch, tmp_path, ran)
     assert gpu_check.main(["--out", str(tmp_path)]) == 0  # run 1 by default
-    assert ran == [(256, "base"), "plain", (256, gpu_runs.FULL), (256, "bf16 weights")]
+    assert ran == [(256, "base"), "plain", (256, gpu_runs.FULL)]
     report = json.loads((tmp_path / "gpu-check-run1.json").read_text())
     assert [r["variant"] for r in report["rows"]][1] == gpu_runs.PLAIN and report["run"] == 1
-    assert len(report["seconds"]) == 4 and not report["skipped"]
+    assert len(report["seconds"]) == 3 and not report["skipped"]
     table = (tmp_path / "gpu-check-run1.md").read_text()
-    assert table.startswith("# gpu-check") and "| bf16 weights | 256 |" in table
+    assert table.startswith("# gpu-check") and f"| {gpu_runs.FULL} | 256 |" in table
     best = json.loads((tmp_path / "throughput-256.json").read_text())
     assert best["img_per_sec_per_gpu"] == 2.0  # the fake result file of the fastest (compiled) variant
 
-    ran.clear()  # run 2: run 1's best 256 px variant (here "bf16 weights" made fastest) at 512 px
-    report["rows"][-1]["img_s"] = 9.0
-    (tmp_path / "gpu-check-run1.json").write_text(json.dumps(report))
+    ran.clear()  # run 2: the resume check first, with --deterministic, then the EMA's
     assert gpu_check.main(["--out", str(tmp_path), "--run", "2"]) == 0
-    assert ran == [(512, "bf16 weights"), ("e2e", True)]  # the resume check with --deterministic
+    assert ran == [("e2e", True), "ema"]
     checks = json.loads((tmp_path / "gpu-check-run2.json").read_text())["checks"]
-    assert checks == [
-        {"check": gpu_runs.E2E_CHECK, "ok": True, "problems": [], "lines": ["resumed: bitwise"]}
-    ]
+    e2e = {"check": gpu_runs.E2E_CHECK, "ok": True, "problems": [], "lines": ["resumed: bitwise"]}
+    assert checks[0] == e2e and checks[1]["check"] == gpu_runs.EMA_CHECK and checks[1]["ok"]
+
+    ran.clear()  # run 3: the baseline at 512 px, then run 1's best 256 px variant (here made "bf16 weights")
+    report["rows"][-1].update(variant="bf16 weights", img_s=9.0)
+    (tmp_path / "gpu-check-run1.json").write_text(json.dumps(report))
+    assert gpu_check.main(["--out", str(tmp_path), "--run", "3"]) == 0
+    assert ran == [(512, "base"), (512, "bf16 weights")]
 
 
 def test_a_run_skips_what_does_not_fit_and_limits_each_job(monkeypatch, tmp_path, capsys):
     """Jobs start only while 75% of their estimate is left of --budget; each gets at most twice its
     estimate or what is left; what was measured before the budget ran out is saved."""
     ran, clock = [], [0.0]
-    seconds = {gpu_runs.BASE: 90, "plain": 60, gpu_runs.FULL: 400}  # the compile took long
+    seconds = {"bf16 weights": 250, "FSDP per block": 90}  # the first job took long
     fake_jobs(monkeypatch, tmp_path, ran, seconds, clock)
-    assert gpu_check.main(["--out", str(tmp_path), "--run", "1", "--budget", "500"]) == 0
-    assert ran == [(256, "base"), "plain", (256, gpu_runs.FULL)]  # 50 s left < 75% of 90
-    report = json.loads((tmp_path / "gpu-check-run1.json").read_text())
-    assert report["skipped"] == [{"job": "bf16 weights at 256 px", "estimate_s": 90, "left_s": -50}]
-    assert [r["timeout"] for r in report["rows"] if "timeout" in r] == [180, 350]  # 2 x 90; what was left
-    assert "not run (out of --budget): bf16 weights at 256 px" in capsys.readouterr().out
+    assert gpu_check.main(["--out", str(tmp_path), "--run", "4", "--budget", "400"]) == 0
+    assert ran == [(256, "bf16 weights"), (256, "FSDP per block")]  # 60 s left < 75% of 240
+    report = json.loads((tmp_path / "gpu-check-run4.json").read_text())
+    assert report["skipped"] == [{"job": f"{gpu_runs.FULL_2} at 256 px", "estimate_s": 240, "left_s": 60}]
+    assert [r["timeout"] for r in report["rows"]] == [180, 150]  # 2 x 90; what was left
+    assert f"not run (out of --budget): {gpu_runs.FULL_2} at 256 px" in capsys.readouterr().out
 
 
 def test_a_budget_counts_from_the_scripts_start(monkeypatch, tmp_path):
     """--budget is seconds from `start` (the script passes its import time): 300 s gone before main
-    leaves 200 of 500, enough for the baseline (90) and the plain loop (60), not the rest."""
+    leaves 200 of 500, enough for the baseline (90) and the plain loop (60), not the combination."""
     ran, clock = [], [0.0]
     fake_jobs(monkeypatch, tmp_path, ran, {gpu_runs.BASE: 90, "plain": 60}, clock)
     assert gpu_check.main(["--out", str(tmp_path), "--budget", "500"], start=-300.0) == 0
@@ -169,11 +195,14 @@ def test_a_failed_variants_log_keeps_its_own_number(monkeypatch, tmp_path):
     def fake_composer(n, args, log, timeout):
         fails = not list(tmp_path.glob("tp-*.log"))  # the first variant
         log.write_text(f"{'first' if fails else 'second'} variant's output\n")
+        assert args[args.index("--data") + 1] == str(tmp_path / "latents-256")  # gpu_check.latents's
+        assert args[args.index("--warmup") + 1] == "5" and args[args.index("--profile-steps") + 1] == "3"
         if not fails:
             Path(args[args.index("--out") + 1]).write_text(json.dumps({"img_per_sec_per_gpu": 5.0}))
         return subprocess.CompletedProcess(args, 1 if fails else 0)
 
     monkeypatch.setattr(gpu_check, "composer", fake_composer)
+    monkeypatch.setattr(gpu_check, "latents", lambda out, preset, px, n, batches: out / f"latents-{px}")
     monkeypatch.setattr(gpu_check, "peak_flops", lambda: 1e15)
     monkeypatch.setattr(models.flops, "training_flops_per_image", lambda preset, px: 1e12)
     failed = gpu_check.throughput(1, tmp_path, 256, gpu_runs.BASE, [], 20)
@@ -185,21 +214,24 @@ def test_a_failed_variants_log_keeps_its_own_number(monkeypatch, tmp_path):
 
 
 def test_the_best_file_keeps_an_earlier_runs_faster_result(monkeypatch, tmp_path, capsys):
-    """Runs 1 and 3 both time 256 px, runs 2 and 4 512 px: OUT/throughput-PX.json keeps an earlier
-    run's faster result of the same recipe on the same device, and says so; a slower one, or another
-    device's, is replaced by this run's best."""
+    """Runs 1 and 4-7 all time 256 px: OUT/throughput-PX.json keeps an earlier run's faster result of
+    the same recipe on the same device, and says so; a slower one, or another device's, is replaced by
+    this run's best."""
     ran = []
     fake_jobs(monkeypatch, tmp_path, ran)
     earlier = {"img_per_sec_per_gpu": 3.0, "recipe": "sd2", "device": "fake GPU"}
     (tmp_path / "throughput-256.json").write_text(json.dumps(earlier))
     (tmp_path / "throughput-512.json").write_text(json.dumps({**earlier, "device": "another GPU"}))
-    assert gpu_check.main(["--out", str(tmp_path), "--run", "4"]) == 0  # best: 2.0 at 256, 1.0 at 512
+    assert gpu_check.main(["--out", str(tmp_path), "--run", "4"]) == 0  # best at 256: 2.0 (compiled)
     assert json.loads((tmp_path / "throughput-256.json").read_text()) == earlier
-    assert json.loads((tmp_path / "throughput-512.json").read_text())["img_per_sec_per_gpu"] == 1.0
     best = json.loads((tmp_path / "gpu-check-run4.json").read_text())["best"]
-    kept = "an earlier run's 3.0 img/s, kept over this run's best, compile, channels_last at 2.0 img/s"
-    assert best["256"].endswith(kept) and best["512"].endswith(f"best, {gpu_runs.BASE} at 1.0 img/s")
+    kept = f"an earlier run's 3.0 img/s, kept over this run's best, {gpu_runs.FULL_2} at 2.0 img/s"
+    assert best["256"].endswith(kept)
     assert f"for recipes.plan: {tmp_path / 'throughput-256.json'}: {kept}" in capsys.readouterr().out
+    assert gpu_check.main(["--out", str(tmp_path), "--run", "3"]) == 0  # best at 512: the combination's 2.0
+    assert json.loads((tmp_path / "throughput-512.json").read_text())["img_per_sec_per_gpu"] == 2.0
+    best = json.loads((tmp_path / "gpu-check-run3.json").read_text())["best"]
+    assert best["512"].endswith(f"best, {gpu_runs.FULL} at 2.0 img/s")
 
     (tmp_path / "throughput-256.json").write_text(json.dumps({**earlier, "img_per_sec_per_gpu": 1.5}))
     assert gpu_check.main(["--out", str(tmp_path), "--run", "4"]) == 0
@@ -314,7 +346,7 @@ def test_a_job_that_raises_is_a_failed_row_and_the_run_goes_on(monkeypatch, tmp_
 
     monkeypatch.setattr(gpu_check, "plain_row", out_of_memory)
     assert gpu_check.main(["--out", str(tmp_path)]) == 1
-    assert ran == [(256, "base"), (256, gpu_runs.FULL), (256, "bf16 weights")]
+    assert ran == [(256, "base"), (256, gpu_runs.FULL)]
     rows = json.loads((tmp_path / "gpu-check-run1.json").read_text())["rows"]
     assert rows[1] == {"variant": gpu_runs.PLAIN, "resolution": 256, "microbatch": 32, "ok": False,
                        "log": "RuntimeError: CUDA out of memory"}  # fmt: skip

@@ -1,6 +1,7 @@
 """bf16 model weights with fp32 master weights in the optimizer (model.param_dtype=bfloat16,
 extensions/master_weights.py): the masters step exactly as torch's AdamW over fp32 weights, survive a
-save and load unrounded, and the tiny recipe trains, resumes bitwise, evaluates and samples with them.
+save and load unrounded, an fp32 EMA averages them (not the rounded weights) in one fused update, and
+the tiny recipe trains, resumes bitwise, evaluates and samples with them.
 """
 
 import copy
@@ -9,13 +10,18 @@ import math
 
 import pytest
 import torch
+from composer.core import Callback
 
+from compat.torch import TorchDispatchMode
+from extensions import ema as ema_module
 from extensions.callbacks import read_loss_log
-from extensions.master_weights import MasterWeightAdamW
+from extensions.ema import EMA, find_ema
+from extensions.master_weights import MasterWeightAdamW, master_of
 from models import build_model
 from models.export import load_model_from_checkpoint
 from recipes import ConfigError, build_trainer, load_config, parse_config
 from tests.conftest import REPO, tiny_run
+from tests.test_ema import _SlowCopy
 from tests.test_golden import GOLDEN
 
 TINY = REPO / "yamls/tiny-cpu.yaml"
@@ -98,6 +104,110 @@ def test_a_fp32_adamw_state_loads_with_masters_from_the_weights():
         assert torch.equal(optimizer.state[p]["master"], p.float())
 
 
+# -- the EMA of the masters ---------------------------------------------------------------------------
+class _OpCount(TorchDispatchMode):
+    """How many times each aten op runs inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _masters(module, optimizer) -> list[torch.Tensor]:
+    """Each parameter's master, or the fp32 parameter itself (`scale`)."""
+    return [p if (m := master_of(optimizer, p)) is None else m for p in module.parameters()]
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_fp32_ema_averages_the_masters_in_one_fused_update(start):
+    """From ema_start (batch 0: the weights, before any master exists; batch 2: the masters), each
+    update is one `_foreach_lerp_` of the masters (no cast, no per-tensor lerp), bitwise a per-tensor
+    fp32 lerp of them by hand; also after a load has replaced every master."""
+    low = _module()
+    optimizer = MasterWeightAdamW(low.parameters(), **ADAMW)
+    ema = EMA(smoothing=0.8, ema_start=start)
+    ema._bind(low)
+    ema.optimizers = [optimizer]
+    ema.step(0, update=False)  # what FIT_START does
+    weight = 1 - 0.8
+    reference = [p.detach().to(torch.float32, copy=True) for p in low.parameters()] if start == 0 else None
+    for batch in range(1, 7):
+        if batch == 4:  # a load (a resume into this optimizer): every master is a new tensor
+            old = [master_of(optimizer, p) for p in low.parameters()]
+            optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+            new = [master_of(optimizer, p) for p in low.parameters()]
+            assert all(m is not n and torch.equal(m, n) for m, n in zip(old, new) if m is not None)
+        _steps((low,), (optimizer,), 1, seed=10 + batch)
+        with _OpCount() as count:
+            ema.step(batch)
+        masters = _masters(low, optimizer)
+        if batch == start:
+            reference = [m.clone() for m in masters]
+        elif reference is not None:
+            reference = [torch.lerp(r, m, weight) for r, m in zip(reference, masters)]
+            assert count.ops == {"_foreach_lerp_": 1}
+        if reference is not None:
+            averaged = list(ema.averaged_state().values())
+            assert all(e.dtype == torch.float32 for e in averaged)
+            assert all(torch.equal(e, r) for e, r in zip(averaged, reference))
+    # Laid out like the parameters and masters (channels-last too): CUDA's fused lerp needs that.
+    assert [e.stride() for e in averaged] == [p.stride() for p in low.parameters()]
+    # Not the average of the bf16-rounded weights, which the EMA took before.
+    assert any(not torch.equal(m, p.float()) for m, p in zip(masters, low.parameters()))
+
+
+def test_without_masters_or_with_bf16_storage_the_ema_reads_the_weights():
+    """No optimizer given (as before the first step): one converted copy per bf16 parameter, as
+    before. bf16 storage: the bf16 weights in one fused update (`scale`, fp32, converted)."""
+    low = _module()
+    optimizer = MasterWeightAdamW(low.parameters(), **ADAMW)
+    start = [p.detach().clone() for p in low.parameters()]
+    plain, bf16 = EMA(smoothing=0.8), EMA(smoothing=0.8, storage="bf16")
+    for ema in (plain, bf16):
+        ema._bind(low)
+        ema.step(0, update=False)
+    bf16.optimizers = [optimizer]
+    _steps((low,), (optimizer,), 1, seed=20)
+    low_precision = sum(p.dtype == torch.bfloat16 for p in low.parameters())
+    counted = ("_foreach_lerp_", "_to_copy", "lerp_")
+    with _OpCount() as count:
+        plain.step(1)
+    assert [count.ops.get(op) for op in counted] == [1, low_precision, low_precision]
+    with _OpCount() as count:
+        bf16.step(1)
+    assert [count.ops.get(op) for op in counted] == [1, 1, 1]
+    weight = 1 - 0.8
+    for e, s, p in zip(bf16.averaged_state().values(), start, low.parameters()):
+        want = torch.lerp(s.to(torch.bfloat16), p.detach().to(torch.bfloat16), weight)
+        assert e.dtype == torch.bfloat16 and torch.equal(e, want)
+
+
+def test_offloaded_ema_copies_the_masters(monkeypatch):
+    """The chunked offload path (a slow fake of the CUDA copies) reads the fp32 masters: the same
+    average as on the parameters' device, bitwise."""
+    monkeypatch.setattr(ema_module, "OFFLOAD_CHUNK", 7)
+    low = _module()
+    optimizer = MasterWeightAdamW(low.parameters(), **ADAMW)
+    plain, offloaded = EMA(smoothing=0.7), EMA(smoothing=0.7, offload=True)
+    offloaded._copy = copier = _SlowCopy()
+    for ema in (plain, offloaded):
+        ema._bind(low)
+        ema.optimizers = [optimizer]
+        ema.step(0, update=False)
+    for batch in range(1, 4):
+        _steps((low,), (optimizer,), 1, seed=30 + batch)
+        for ema in (plain, offloaded):
+            ema.step(batch)
+    assert copier.copies and set(offloaded._staging) == {torch.float32}  # no bf16 chunk was copied
+    for (name, a), b in zip(plain.averaged_state().items(), offloaded.averaged_state().values()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
@@ -166,10 +276,24 @@ BATCHES = 20
 RTOL, MEAN_RTOL = 0.02, 0.01
 
 
+class _MastersEMA(Callback):
+    """An fp32 EMA of the masters by hand, beside the run's: per-tensor `torch.lerp` after each batch
+    (the EMA algorithm has updated by then: algorithms run before callbacks at an event)."""
+
+    def fit_start(self, state, logger):
+        self.average = {n: e.clone() for n, e in find_ema(state.algorithms).averaged_state().items()}
+
+    def batch_end(self, state, logger):
+        weight = 1 - find_ema(state.algorithms).smoothing
+        optimizer, named = state.optimizers[0], dict(state.model.named_parameters())
+        for name, average in self.average.items():
+            self.average[name] = torch.lerp(average, optimizer.state[named[name]]["master"], weight)
+
+
 @pytest.fixture(scope="module")
 def bf16_run(shapes_mds, tmp_path_factory):
     """20 batches of the tiny recipe with bf16 weights, a checkpoint at batch 10 and an evaluation at
-    the end (EMA weights swapped in): (trainer, losses, folder)."""
+    the end (EMA weights swapped in), with an EMA of the masters by hand: (trainer, losses, folder)."""
     folder = tmp_path_factory.mktemp("bf16")
     overrides = [
         *tiny_run(shapes_mds, BATCHES),
@@ -182,6 +306,7 @@ def bf16_run(shapes_mds, tmp_path_factory):
         f"trainer.eval_interval={BATCHES}ba",
     ]
     trainer = build_trainer(load_config(TINY, overrides))
+    trainer.state.callbacks.append(_MastersEMA())
     trainer.fit()
     trainer.close()
     return trainer, read_loss_log(folder / "loss.jsonl"), folder
@@ -201,6 +326,11 @@ def test_bf16_weights_with_fp32_masters_train_like_fp32(bf16_run):
         assert optimizer.state[p]["master"].dtype == torch.float32
         assert torch.equal(p, optimizer.state[p]["master"].to(torch.bfloat16))
     assert math.isfinite(trainer.state.eval_metric_values["MeanSquaredError"])  # evaluated, EMA swapped in
+    # The EMA (fp32) is that of the masters, bitwise, not of the bf16 weights.
+    averaged = find_ema(trainer.state.algorithms).averaged_state()
+    by_hand = next(c for c in trainer.state.callbacks if isinstance(c, _MastersEMA)).average
+    assert averaged.keys() == by_hand.keys() and len(averaged) == len(trained)
+    assert all(averaged[n].dtype == torch.float32 and torch.equal(averaged[n], by_hand[n]) for n in averaged)
 
     fp32 = json.loads(GOLDEN.read_text())["losses"]
     bf16 = [losses[b] for b in range(1, BATCHES + 1)]
@@ -228,6 +358,10 @@ def test_resumed_bf16_run_continues_bitwise(bf16_run, shapes_mds, tmp_path):
     for p, q in zip(trainer.state.model.unet.parameters(), resumed.state.model.unet.parameters()):
         assert torch.equal(p, q)
         assert torch.equal(done.state[p]["master"], again.state[q]["master"])
+    averaged = find_ema(trainer.state.algorithms).averaged_state()
+    resumed_average = find_ema(resumed.state.algorithms).averaged_state()
+    assert averaged.keys() == resumed_average.keys()
+    assert all(torch.equal(averaged[n], resumed_average[n]) for n in averaged)
 
 
 @pytest.mark.fit
@@ -244,6 +378,6 @@ def test_sampling_from_bf16_weights_and_their_checkpoint(bf16_run):
         assert torch.equal(p.float(), q)
     again = loaded.generate(["a red circle"], num_inference_steps=2, seed=0)
     assert torch.isfinite(again).all()
-    # The EMA average is fp32 (of the bf16 weights), and stays fp32 in the loaded model.
+    # The EMA average is fp32 (of the fp32 masters), and stays fp32 in the loaded model.
     averaged = load_model_from_checkpoint(folder / "ba20.pt", ema=True)
     assert all(p.dtype == torch.float32 for p in averaged.unet.parameters())

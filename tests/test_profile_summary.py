@@ -101,6 +101,25 @@ def test_a_real_cpu_profile_reports_no_gpu_cleanly(tmp_path):
     assert json.loads((tmp_path / "p.json").read_text()) == {"variant": "tiny", **s}
 
 
+def test_the_windows_closing_synchronize_is_the_benchs(monkeypatch):
+    """StepProfile.stop() synchronises the GPU while the profiler still records: that sync is the
+    bench's (inside a `bench::` range), not the steps'. CUDA's synchronize is a stand-in here that the
+    profiler records under the runtime call's name."""
+    window = profile_summary.StepProfile(steps=2)
+    window.start()
+    torch.ones(4).sum()
+
+    def synchronize():
+        with torch.profiler.record_function("cudaDeviceSynchronize"):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    window.stop()
+    s = window.summary()
+    assert s["host_syncs_per_step"] == 0 and s["bench_syncs_per_step"] == 0.5
+
+
 def test_summary_before_the_window_ran_is_an_error():
     with pytest.raises(RuntimeError, match="did not run"):
         profile_summary.StepProfile(3).summary()
