@@ -15,7 +15,7 @@ clone. Here:
   which makes its master, it reads the parameter itself);
 - with CPU offload, the weights come to the host in chunks through two pinned buffers on a side
   stream, each chunk's copy waited for (a CUDA event) before the CPU reads it, the next chunk's
-  copy overlapping this chunk's CPU update (see `_CudaCopy`);
+  copy overlapping this chunk's CPU update (extensions/ema_offload.py);
 - each average is laid out like its parameter (and its master), channels-last too: CUDA's fused
   lerp needs equal strides, and the offload reads both flat in one memory order;
 - nothing is allocated before `ema_start`; at the start the average is the current weights;
@@ -33,14 +33,12 @@ from composer.core import Algorithm, Event, State, Time, TimeUnit
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from compat.torch import free_gathered_weights, uses_orig_params
+from extensions.ema_offload import ChunkedOffload, CudaCopy
 from extensions.master_weights import master_of
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Elements per offload chunk: 16M (64 MB in fp32) is large enough that a PCIe copy runs near its
-# bandwidth and small enough that two pinned buffers cost little host memory.
-OFFLOAD_CHUNK = 1 << 24
 
 
 def _batches(value, name: str) -> int:
@@ -67,30 +65,6 @@ def _strip_wrappers(name: str) -> str:
     # checkpoints should not depend on how the model was wrapped.
     name = name.removeprefix("module.")
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
-
-
-class _CudaCopy:
-    """Asynchronous device-to-host copies on a side stream, each with an event to wait on.
-
-    `begin()` orders the side stream after the optimizer step (the current stream); `start(src,
-    dst)` queues `dst.copy_(src)` and returns the copy's event, whose `synchronize()` the CPU must
-    call before reading `dst`: a non-blocking copy into pinned memory returns before the bytes have
-    arrived.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-
-    def begin(self) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-
-    def start(self, src: torch.Tensor, dst: torch.Tensor):
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return done
 
 
 class EMA(Algorithm):
@@ -145,9 +119,8 @@ class EMA(Algorithm):
         self._swapped = False
         self._raw: list[torch.Tensor] | None = None  # raw weights while swapped (slow path only)
         self._fast_path = False
-        self._copy = None  # offloading from a GPU: _CudaCopy (a test may put a slow fake here)
-        # Two pinned buffers of OFFLOAD_CHUNK elements per dtype read (the weights', the masters').
-        self._staging: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._copy = None  # offloading from a GPU: CudaCopy (a test may put a slow fake here)
+        self._offload: ChunkedOffload | None = None  # the chunked update through _copy
         self.optimizers: list[torch.optim.Optimizer] = []
         self._plan: tuple | None = None  # (key, sources, fused averages, fused sources, the rest)
 
@@ -221,10 +194,10 @@ class EMA(Algorithm):
         )
         accelerator = next((p.device for p in self._params if p.device.type == "cuda"), None)
         if self.offload and self._copy is None and accelerator is not None:
-            self._copy = _CudaCopy(accelerator)
+            self._copy = CudaCopy(accelerator)
         if self._copy is not None:
             self._fast_path = False
-            self._staging = {}  # made at the first update, for the dtypes it reads
+            self._offload = ChunkedOffload(self._copy)  # pinned buffers made at the first update
 
     @torch.no_grad()
     def step(self, batch: int, update: bool = True) -> None:
@@ -242,8 +215,8 @@ class EMA(Algorithm):
             torch._foreach_lerp_(self._ema, self._params, weight)  # no_grad: params are read only
             return
         _, sources, fused_ema, fused_sources, rest = self._update_plan()
-        if self._copy is not None:
-            self._offloaded_update(sources, weight)
+        if self._offload is not None:
+            self._offload.update(self._ema, sources, weight)
             return
         if fused_ema:  # fp32 masters into an fp32 average (or same-dtype parameters): one call
             torch._foreach_lerp_(fused_ema, fused_sources, weight)
@@ -285,52 +258,6 @@ class EMA(Algorithm):
             rest,
         )
         return self._plan
-
-    def _staging_for(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        if dtype not in self._staging:
-            chunk = min(OFFLOAD_CHUNK, max(p.numel() for p in self._params))
-            pin = torch.cuda.is_available()
-            self._staging[dtype] = [torch.empty(chunk, dtype=dtype, pin_memory=pin) for _ in range(2)]
-        return self._staging[dtype]
-
-    def _offloaded_update(self, sources: list[torch.Tensor], weight: float) -> None:
-        """The CPU average from GPU weights (or their fp32 masters: twice the bytes over PCIe of
-        bf16 weights, but the average of what the optimizer holds, with no cast on the CPU): chunk
-        k+1 is copied while the CPU updates chunk k.
-
-        A staging buffer is refilled only after the CPU has finished reading it (updates run in
-        order; at most two chunks are in flight, and a buffer's turns are two apart), and every copy
-        is waited for before this returns, so the next optimizer step cannot change a weight while it
-        is being read.
-        """
-        flats = []  # (average, source), each flat in the average's memory order
-        for e, p in zip(self._ema, sources):
-            src = p.detach()
-            order = sorted(range(e.dim()), key=e.stride, reverse=True)
-            if order != list(range(e.dim())):  # e.g. channels-last: dims in memory order
-                e, src = e.permute(order), src.permute(order)
-            if not src.is_contiguous():  # laid out unlike the average: rearranged (before begin())
-                src = src.contiguous()
-            flats.append((e.view(-1), src.view(-1)))
-        self._copy.begin()
-        pending = []  # (ema chunk, staging view, copy done)
-        turn = 0
-        for flat_e, flat_p in flats:
-            staging = self._staging_for(flat_p.dtype)
-            for start in range(0, flat_p.numel(), len(staging[0])):
-                src = flat_p[start : start + len(staging[0])]
-                staged = staging[turn % 2][: src.numel()]
-                turn += 1
-                pending.append((flat_e[start : start + src.numel()], staged, self._copy.start(src, staged)))
-                if len(pending) == 2:
-                    self._lerp_when_copied(*pending.pop(0), weight)
-        for item in pending:
-            self._lerp_when_copied(*item, weight)
-
-    @staticmethod
-    def _lerp_when_copied(e: torch.Tensor, staged: torch.Tensor, done, weight: float) -> None:
-        done.synchronize()
-        e.lerp_(staged if staged.dtype == e.dtype else staged.to(e.dtype), weight)
 
     @torch.no_grad()
     def swap_in(self) -> None:

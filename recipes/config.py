@@ -2,9 +2,11 @@
 
 One YAML is one complete run. `load_config(path, overrides)` composes it (the YAML's folder is the
 Hydra config dir, so defaults lists work) and `parse_config(cfg)` turns it into a `RunConfig`,
-rejecting unknown keys with a message that names the key and the nearest valid one, and values
-that the optimizer, scheduler, callbacks and algorithms would refuse (it builds each once), all
-before any model or data is built.
+rejecting unknown keys with a message that names the key and the nearest valid one, values that
+the optimizer, scheduler, callbacks and algorithms would refuse (it builds each once), and
+combinations of keys no run can train with (recipes/checks.py), all before any model or data is
+built. `check_device` (build_trainer calls it before it builds anything) checks the config against
+this machine.
 """
 
 import difflib
@@ -23,6 +25,7 @@ from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
 from data.loader import EvalDataConfig, ImageCaptionDataConfig
+from recipes.checks import cudagraphs_problem, device_problem, fsdp_problem, param_dtype_problem
 
 
 class ConfigError(ValueError):
@@ -119,13 +122,13 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
     _check_model_keys(run.model)
     _check_trainer_keys(run.trainer)
     _check_max_duration(run.trainer)
-    _check_fsdp(run.trainer)
+    _refuse(fsdp_problem(run.trainer))
     for section in ("algorithms", "callbacks", "loggers"):
         for name, spec in getattr(run, section).items():
             _check_target(spec, f"{section}.{name}")
     _check_target(run.optimizer, "optimizer", supplied=("params",))
-    _check_param_dtype(run)
-    _check_cudagraphs(run)
+    _refuse(param_dtype_problem(run.model, run.optimizer, run.trainer))
+    _refuse(cudagraphs_problem(run.model, run.trainer))
     if run.scheduler is not None:
         _check_target(run.scheduler, "scheduler")
     _check_values(run)
@@ -194,58 +197,6 @@ def _check_model_keys(model: dict) -> None:
     for key in model:
         if key not in params:
             raise _unknown_key("model", key, params)
-
-
-def _check_param_dtype(run: RunConfig) -> None:
-    """model.param_dtype: a value models.build knows, and with bf16 weights what can train them:
-    torch.optim.AdamW (which the recipe swaps for its master-weight version,
-    extensions/master_weights.py), bf16 autocast or none, and no FSDP (whose mixed precision casts
-    fp32 weights to bf16 once per step itself)."""
-    from hydra.utils import get_object
-
-    from models.build import PARAM_DTYPES
-
-    value = run.model.get("param_dtype")
-    if not isinstance(value, str | None) or value not in PARAM_DTYPES:
-        raise ConfigError(f"'model.param_dtype' must be one of {list(PARAM_DTYPES)}, got {value!r}")
-    if PARAM_DTYPES[value] is None:
-        return
-    import torch
-
-    target = run.optimizer.get("_target_")
-    if get_object(target) is not torch.optim.AdamW:
-        raise ConfigError(
-            f"'model.param_dtype' is {value}, which needs optimizer._target_ torch.optim.AdamW (it keeps "
-            f"the fp32 master weights: extensions/master_weights.py), not {target}"
-        )
-    precision = run.trainer.get("precision") or "fp32"
-    if precision not in ("fp32", "amp_bf16"):
-        raise ConfigError(
-            f"'model.param_dtype' is {value}, which trains under trainer.precision amp_bf16 or fp32, "
-            f"not {precision}"
-        )
-    if (run.trainer.get("parallelism_config") or {}).get("fsdp") is not None:
-        raise ConfigError(
-            f"'model.param_dtype' is {value} with trainer.parallelism_config.fsdp: FSDP keeps fp32 "
-            "weights and casts them to bf16 once per step itself (its mixed_precision); leave "
-            "model.param_dtype unset"
-        )
-
-
-def _check_cudagraphs(run: RunConfig) -> None:
-    """The denoiser under CUDA graphs (model.compile_unet with mode reduce-overhead or max-autotune)
-    and FSDP do not go together: FSDP gathers each unit's weights into new memory at every forward,
-    so the graphs, which read fixed addresses, would be recorded again at every step."""
-    from models.torch_compile import compiles_with_cudagraphs
-
-    compile_unet = run.model.get("compile_unet")
-    if compiles_with_cudagraphs(compile_unet) and (run.trainer.get("parallelism_config") or {}).get("fsdp"):
-        raise ConfigError(
-            f"'model.compile_unet' is {compile_unet}, which replays CUDA graphs, with "
-            "trainer.parallelism_config.fsdp: FSDP gathers its weights into new memory every step and "
-            "the graphs would be recorded again each time; use compile_unet: true (no CUDA graphs) "
-            "or no FSDP"
-        )
 
 
 def _check_trainer_keys(trainer: dict) -> None:
@@ -340,22 +291,6 @@ def _check_max_duration(trainer: dict) -> None:
         raise ConfigError(f"'trainer.max_duration' must be more than zero, {example}; got {value!r}")
 
 
-def _check_fsdp(trainer: dict) -> None:
-    """FSDP activation checkpointing must be non-reentrant: Composer 0.32 defaults to the reentrant
-    wrapper, which gives back only the top-level tensors of a block's output with their graph, and a
-    diffusers UNet down block returns its skip connections in a nested tuple: they come back
-    detached, so the first backward fails ("backward through the graph a second time") or, where it
-    does not, the gradient is silently partial."""
-    fsdp = (trainer.get("parallelism_config") or {}).get("fsdp") or {}
-    if fsdp.get("activation_checkpointing") and fsdp.get("activation_checkpointing_reentrant", True):
-        raise ConfigError(
-            "'trainer.parallelism_config.fsdp.activation_checkpointing' needs "
-            "activation_checkpointing_reentrant: false (Composer's default, true, detaches the UNet "
-            "blocks' skip connections); add "
-            "trainer.parallelism_config.fsdp.activation_checkpointing_reentrant=false"
-        )
-
-
 def _check_values(run: RunConfig) -> None:
     """Build the optimizer (over a stand-in parameter), the scheduler, every callback and algorithm
     once and drop them, so that a value their constructors refuse (`callbacks.samples.sampler=foo`,
@@ -390,27 +325,12 @@ def _build_once(spec: dict, where: str, **supplied) -> None:
 
 
 def check_device(trainer: dict) -> None:
-    """The device and precision this machine can run; called before anything is built."""
-    import torch
+    """The device and precision this machine can run (recipes/checks.py); called before anything is
+    built."""
+    _refuse(device_problem(trainer))
 
-    device = trainer.get("device") or ("gpu" if torch.cuda.is_available() else "cpu")
-    if device == "gpu" and not torch.cuda.is_available():
-        raise ConfigError("'trainer.device' is gpu but this machine has no CUDA GPU; use trainer.device=cpu")
-    precision = trainer.get("precision") or "fp32"
-    if device == "cpu" and precision != "fp32":
-        raise ConfigError(
-            f"'trainer.precision' is {precision}, which the CPU cannot run (Composer trains fp32 on CPU); "
-            "use trainer.precision=fp32"
-        )
-    if device == "cpu" and trainer.get("device_train_microbatch_size") == "auto":
-        # Composer's adaptive microbatching halves the microbatch on a CUDA out-of-memory error.
-        raise ConfigError(
-            "'trainer.device_train_microbatch_size' is auto, which needs a CUDA GPU (it adapts to CUDA "
-            "out-of-memory errors); give a number, e.g. trainer.device_train_microbatch_size=4"
-        )
-    if device == "cpu" and (trainer.get("parallelism_config") or {}).get("fsdp") is not None:
-        # Composer 0.32's prepare_fsdp_module calls torch.cuda.current_device() (tried: it fails).
-        raise ConfigError(
-            "'trainer.parallelism_config.fsdp' needs CUDA GPUs (Composer's FSDP does not run on CPU); "
-            "remove it with ~trainer.parallelism_config for a CPU run"
-        )
+
+def _refuse(problem: str | None) -> None:
+    """Raise the problem one of recipes/checks.py's checks found, if any."""
+    if problem is not None:
+        raise ConfigError(problem)

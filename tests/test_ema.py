@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from extensions import ema as ema_module
+from extensions import ema_offload
 from extensions.ema import EMA
 
 
@@ -137,7 +137,7 @@ class _SlowCopy:
 
 
 def _offloaded_and_plain(monkeypatch, copy, storage="fp32", batches=4):
-    monkeypatch.setattr(ema_module, "OFFLOAD_CHUNK", 7)  # parameters of 32, 8 and 16 values span many chunks
+    monkeypatch.setattr(ema_offload, "OFFLOAD_CHUNK", 7)  # parameters of 32, 8 and 16 values span many chunks
     model = _model()
     plain, offloaded = EMA(smoothing=0.7, storage=storage), EMA(smoothing=0.7, storage=storage, offload=True)
     offloaded._copy = copy

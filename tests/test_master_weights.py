@@ -13,7 +13,7 @@ import torch
 from composer.core import Callback
 
 from compat.torch import TorchDispatchMode
-from extensions import ema as ema_module
+from extensions import ema_offload
 from extensions.callbacks import read_loss_log
 from extensions.ema import EMA, find_ema
 from extensions.master_weights import MasterWeightAdamW, master_of
@@ -190,7 +190,7 @@ def test_without_masters_or_with_bf16_storage_the_ema_reads_the_weights():
 def test_offloaded_ema_copies_the_masters(monkeypatch):
     """The chunked offload path (a slow fake of the CUDA copies) reads the fp32 masters: the same
     average as on the parameters' device, bitwise."""
-    monkeypatch.setattr(ema_module, "OFFLOAD_CHUNK", 7)
+    monkeypatch.setattr(ema_offload, "OFFLOAD_CHUNK", 7)
     low = _module()
     optimizer = MasterWeightAdamW(low.parameters(), **ADAMW)
     plain, offloaded = EMA(smoothing=0.7), EMA(smoothing=0.7, offload=True)
@@ -203,7 +203,7 @@ def test_offloaded_ema_copies_the_masters(monkeypatch):
         _steps((low,), (optimizer,), 1, seed=30 + batch)
         for ema in (plain, offloaded):
             ema.step(batch)
-    assert copier.copies and set(offloaded._staging) == {torch.float32}  # no bf16 chunk was copied
+    assert copier.copies and set(offloaded._offload.staging) == {torch.float32}  # no bf16 chunk was copied
     for (name, a), b in zip(plain.averaged_state().items(), offloaded.averaged_state().values()):
         assert torch.equal(a, b), name
 

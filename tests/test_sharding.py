@@ -75,7 +75,7 @@ def test_checkpointed_blocks_give_the_same_gradients(preset):
 
 
 def test_reentrant_checkpointing_breaks_the_unet_backward():
-    """Why recipes/config.py refuses FSDP activation checkpointing unless it is non-reentrant: the
+    """Why recipes/checks.py refuses FSDP activation checkpointing unless it is non-reentrant: the
     reentrant wrapper returns a down block's skip connections (inside a nested tuple) detached, and
     SDXL's UNet backward then fails."""
     _, checkpointed = _checkpointed_unet_pair("sdxl-tiny", CheckpointImpl.REENTRANT)
