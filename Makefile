@@ -37,14 +37,18 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 # Two test tiers (marks in tests/tiers.py). `make test`: the whole suite, lint first; what CI runs.
+# --maxschedchunk 1: pytest-xdist hands out one test at a time, in the order tests/conftest.py sets
+# (the longest first), instead of fixed blocks of 70 consecutive tests per worker, which left one worker
+# idle while the other ran the long tests of its block one after another (12.2 min instead of ~8).
+XDIST := -n $(PYTEST_WORKERS) --maxschedchunk 1
 test: lint
-	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --durations=15
+	$(VENV)/bin/pytest -q $(XDIST) --durations=15
 
 # `make test-fast`: unit tests only, for the edit-test loop: no Composer fit, no subprocess, no server
 # (deselects the marks fit, subprocess, server, heavy and slow). Under 90 s on 2 idle cores. No lint.
 FAST_TIER := not (fit or subprocess or server or heavy or slow)
 test-fast: install
-	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) -m "$(FAST_TIER)" --durations=10
+	$(VENV)/bin/pytest -q $(XDIST) -m "$(FAST_TIER)" --durations=10
 
 # The GPU path measured and checked (bench/gpu_check.py); exits with one line where there is no CUDA.
 # In runs because a device call is capped at 10 minutes: `make gpu-check` (run 1: 256 px, the new step

@@ -15,6 +15,10 @@
   bench/host_overhead.py, on a step that is launch-bound on an H100. The Trainer wraps the model
   (FSDP, DDP) in its `__init__`, so the answer is fixed once it is built: `cache_fsdp_enabled`
   computes it then and the property answers from that value.
+- `collect_env.get_cpu_model`: `Trainer.__init__` calls `get_composer_env_dict()` to log Composer's
+  version, and that dict also holds the CPU's name, which py-cpuinfo finds by running itself in a
+  subprocess: 1.1 s of CPU (measured) for every Trainer built, each rank of each run (and each
+  training run of the test suite). `skip_cpu_probe` makes it read the name from /proc/cpuinfo.
 - Modules below the public API: `composer.algorithms.ema.ema` (EMAParameters, compute_ema: bench/ema.py
   compares against Composer's EMA update), `composer.callbacks.speed_monitor.GPU_AVAILABLE_FLOPS`
   (bench/gpu_check.py's peak FLOPS table) and the modules `LPGroupNorm` / `LPLayerNorm` below
@@ -22,12 +26,14 @@
   These are imported on first use: `composer.algorithms` is not otherwise loaded by a run.
 """
 
+import functools
 import importlib
+import platform
 from collections.abc import Callable
 from typing import Any
 
 from composer.core import State
-from composer.utils import checkpoint
+from composer.utils import checkpoint, collect_env
 
 _LAZY = {
     "EMAParameters": "composer.algorithms.ema.ema",
@@ -86,3 +92,22 @@ def cache_fsdp_enabled(state) -> None:
     if State.fsdp_enabled.fget is not _fsdp_enabled:
         State.fsdp_enabled = property(_fsdp_enabled, doc=State.fsdp_enabled.__doc__)
     state.__dict__["_fsdp_enabled_cached"] = _FSDP_ENABLED_WALK(state)
+
+
+PROBING_CPU_MODEL = collect_env.get_cpu_model  # Composer's own, which starts py-cpuinfo's process
+
+
+@functools.cache
+def _cpu_model() -> str:
+    """The CPU's name as py-cpuinfo's `brand_raw` has it on Linux (/proc/cpuinfo's "model name")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or "CPU"
+
+
+def skip_cpu_probe() -> None:
+    """Make the environment report each Trainer logs name the CPU without starting a process."""
+    collect_env.get_cpu_model = _cpu_model

@@ -59,8 +59,8 @@ VAE_GATE = 0.9  # reconstruction colour accuracy needed before the diffusion sta
 QUICK = {
     "vae": ["trainer.max_duration=150ba"],  # 100 batches: colour 71%, below the gate
     "sd": {
-        # 450 batches of 64: colour 100%, shape 83% (12 images, 2 cores); 250 batches still ignored
-        # the prompt, and 450 of 32 reached only 75% / 67%.
+        # 450 batches of 64: colour 100%, shape 75-83% (12 images; 1 or 2 threads); 250 batches still
+        # ignored the prompt, and 450 of 32 reached only 75% / 67%.
         "tiny": [
             "trainer.max_duration=450ba",
             "optimizer.lr=4.0e-3",

@@ -17,7 +17,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 
 from common.secrets import protect_config_secrets, redact
-from compat.composer import cache_fsdp_enabled, mlflow_run_id
+from compat.composer import cache_fsdp_enabled, mlflow_run_id, skip_cpu_probe
 from data.loader import build_image_caption_dataloader
 from extensions.callbacks import IsolateEvalRng, RestoreRngOnResume
 from extensions.checkpointing import install_atomic_checkpoint_writes
@@ -51,6 +51,7 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     data_cfgs = [c for c in (run.data.train, run.data.eval) if c is not None]
     clean_shared_memory([c.local for c in data_cfgs if c.local])  # a killed run's, for our folders
     install_atomic_checkpoint_writes()
+    skip_cpu_probe()  # Composer's Trainer would run py-cpuinfo in a subprocess (1.1 s) to log the CPU's name
     for split, data_cfg in (("train", run.data.train), ("eval", run.data.eval)):
         try:
             if data_cfg is not None:

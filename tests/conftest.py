@@ -99,10 +99,26 @@ def shared_folder(tmp_path_factory, name: str, build) -> Path:
     return folder
 
 
+# Modules run in the order of their most expensive test: a slow test with a server (the S3 resume,
+# 2 minutes), then the other slow ones (the quick demo), then those that start processes or fit a
+# trainer, then the unit tests. With `--maxschedchunk 1` (Makefile) pytest-xdist hands out one test
+# at a time from this queue, so the long ones start first and the quick ones fill the other worker;
+# a module's tests stay together, so that its module-scoped fixtures (a SeaweedFS server) are built
+# once per worker.
+COST_RANKS = [("slow", "server"), ("slow",), ("server",), ("subprocess",), ("fit",), ("heavy",)]
+
+
+def _cost_rank(item) -> int:
+    marks = {mark.name for mark in item.iter_markers()}
+    return next((i for i, needed in enumerate(COST_RANKS) if marks.issuperset(needed)), len(COST_RANKS))
+
+
 def pytest_collection_modifyitems(items):
-    """Slow tests first, so that pytest-xdist's workers fill the time they take with the quick ones
-    instead of starting a long test last."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    rank: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        rank[module] = min(rank.get(module, len(COST_RANKS)), _cost_rank(item))
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: file order within a rank
 
 
 @pytest.fixture(scope="session")

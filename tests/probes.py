@@ -29,6 +29,7 @@ def _with_key(getitem):
         return sample
 
     getitem_with_key._with_key = True
+    getitem_with_key.__wrapped__ = getitem
     return getitem_with_key
 
 
@@ -38,13 +39,22 @@ class KeyLog(Callback):
 
     Constructing it makes ImageCaptionDataset batches carry each sample's MDS `key` (a class-level
     patch, so it also reaches the dataset the trainer has already built; DataLoader fetches samples
-    through the class).
+    through the class). The end of the run takes the patch back, so that a later in-process run of
+    the same test worker gets the dataset's own samples.
     """
 
     def __init__(self, path: str):
         self.path = Path(path)
         if not getattr(ImageCaptionDataset.__getitem__, "_with_key", False):
             ImageCaptionDataset.__getitem__ = _with_key(ImageCaptionDataset.__getitem__)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        getitem = ImageCaptionDataset.__getitem__
+        if getattr(getitem, "_with_key", False):
+            ImageCaptionDataset.__getitem__ = getitem.__wrapped__
+
+    def post_close(self) -> None:
+        self.fit_end(None, None)
 
     def after_dataloader(self, state: State, logger: Logger) -> None:
         keys = [k for rank_keys in dist.all_gather_object(list(state.batch["key"])) for k in rank_keys]

@@ -49,7 +49,11 @@ def train_command(nproc: int, out: Path, shapes_mds: Path, *extra: str, save_fol
 
 
 def train_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO), **extra}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **extra}
+    # This checkout alone, whatever PYTHONPATH `extra` copied from os.environ: the runs import
+    # `tests.probes`, and torch-fidelity installs a top-level `tests` package of its own.
+    env["PYTHONPATH"] = str(REPO)
+    return env
 
 
 def run(cmd: list[str], cwd, env, timeout=600) -> subprocess.CompletedProcess:

@@ -14,6 +14,9 @@ import ast
 import importlib
 import inspect
 import re
+import subprocess
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -32,6 +35,9 @@ RELIED_ON = [
     ("composer.devices:DeviceGPU", "_device", ASSIGNED),
     ("composer.core", "State", None),
     ("composer.core:State", "fsdp_enabled", None),
+    ("composer.utils", "collect_env", None),
+    ("composer.utils.collect_env", "get_cpu_model", ()),  # called by get_composer_env_dict
+    ("composer.utils.collect_env", "get_composer_env_dict", ()),  # called by Trainer.__init__
     ("composer.algorithms.ema.ema", "EMAParameters", ("model",)),
     ("composer.algorithms.ema.ema", "compute_ema", ("model", "ema_model", "smoothing")),
     ("composer.callbacks.speed_monitor", "GPU_AVAILABLE_FLOPS", None),
@@ -217,3 +223,25 @@ def test_the_check_reports_what_an_upgrade_breaks():
     assert broken("streaming.base.shared.prefix", "_get_path", ("prefix", "name")).startswith("parameters")
     assert broken("composer.trainer.trainer:Trainer", "_rng_state_v2", ASSIGNED) == "no longer assigned there"
     assert broken("composer.no_such_module", "x", None).startswith("cannot import composer.no_such_module")
+
+
+def test_the_environment_report_each_trainer_logs_starts_no_process(monkeypatch):
+    """Composer's Trainer logs `get_composer_env_dict()`, whose CPU name py-cpuinfo finds by running
+    itself in a subprocess (1.1 s of CPU a Trainer); build_trainer calls skip_cpu_probe first."""
+    from composer.utils import collect_env
+
+    from compat.composer import PROBING_CPU_MODEL, skip_cpu_probe
+
+    class Started(Exception):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(collect_env, "get_cpu_model", PROBING_CPU_MODEL)  # as before any Trainer
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    with pytest.raises(Started):  # Composer's own, as the control
+        collect_env.get_composer_env_dict()
+    skip_cpu_probe()
+    report = collect_env.get_composer_env_dict()
+    assert report["cpu_model"] and report["composer_version"]
