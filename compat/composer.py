@@ -19,6 +19,11 @@
   version, and that dict also holds the CPU's name, which py-cpuinfo finds by running itself in a
   subprocess: 1.1 s of CPU (measured) for every Trainer built, each rank of each run (and each
   training run of the test suite). `skip_cpu_probe` makes it read the name from /proc/cpuinfo.
+- `CheckpointSaver._symlink_upload_wait_before_next_try_in_seconds` (30 s in Composer, "allow unit
+  test to override this"): with a remote save_folder, the `latest` pointer is uploaded once a process
+  Composer spawns sees the checkpoint in the bucket, polling at this interval; so the pointer lags its
+  checkpoint by up to 30 s, and the end of every run waits for that poll. `poll_remote_checkpoints_every`
+  sets it on a trainer's savers: one HEAD request per poll while a checkpoint uploads.
 - Modules below the public API: `composer.algorithms.ema.ema` (EMAParameters, compute_ema: bench/ema.py
   compares against Composer's EMA update), `composer.callbacks.speed_monitor.GPU_AVAILABLE_FLOPS`
   (bench/gpu_check.py's peak FLOPS table) and the modules `LPGroupNorm` / `LPLayerNorm` below
@@ -32,6 +37,7 @@ import platform
 from collections.abc import Callable
 from typing import Any
 
+from composer.callbacks import CheckpointSaver
 from composer.core import State
 from composer.utils import checkpoint, collect_env
 
@@ -111,3 +117,11 @@ def _cpu_model() -> str:
 def skip_cpu_probe() -> None:
     """Make the environment report each Trainer logs name the CPU without starting a process."""
     collect_env.get_cpu_model = _cpu_model
+
+
+def poll_remote_checkpoints_every(trainer, seconds: float) -> None:
+    """How often Composer looks for a checkpoint in a remote save_folder before uploading the
+    `latest` pointer to it (Composer's 30 s wait, at the end of every run too)."""
+    for callback in trainer.state.callbacks:
+        if isinstance(callback, CheckpointSaver):
+            callback._symlink_upload_wait_before_next_try_in_seconds = seconds

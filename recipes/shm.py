@@ -66,6 +66,23 @@ def remove_stale_registrations(folders: list[str]) -> list[int]:
     return removed
 
 
+# Streaming's cleanup probes each prefix by creating its blocks and unlinking them again; a second
+# process doing the same at that moment (two runs starting together on one host) sees a block exist,
+# and finds it gone when it opens it: FileNotFoundError. The walk is then simply repeated.
+CLEANUP_TRIES = 5
+
+
+def _streaming_cleanup() -> None:
+    for attempt in range(1, CLEANUP_TRIES + 1):
+        try:
+            clean_stale_shared_memory()
+            return
+        except FileNotFoundError as err:  # another process's cleanup removed the block meanwhile
+            if attempt == CLEANUP_TRIES:
+                raise
+            log.debug("streaming's shared-memory cleanup raced another process's (%s); again", err)
+
+
 def clean_shared_memory(folders: list[str]) -> None:
     """Streaming's own cleanup, then ours for `folders`, on local rank 0 while other ranks wait.
 
@@ -73,7 +90,7 @@ def clean_shared_memory(folders: list[str]) -> None:
     otherwise start and destroy one of its own on the same port, and a second start right after
     can race (rank 1 joins the old store while rank 0 waits in the new one, forever).
     """
-    clean_stale_shared_memory()
+    _streaming_cleanup()
     if dist.get_local_rank() == 0 and SHM_DIR.is_dir():
         remove_stale_registrations(folders)
     dist.barrier()

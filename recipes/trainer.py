@@ -17,7 +17,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 
 from common.secrets import protect_config_secrets, redact
-from compat.composer import cache_fsdp_enabled, mlflow_run_id, skip_cpu_probe
+from compat.composer import cache_fsdp_enabled, mlflow_run_id, poll_remote_checkpoints_every, skip_cpu_probe
 from data.loader import build_image_caption_dataloader
 from extensions.callbacks import IsolateEvalRng, RestoreRngOnResume
 from extensions.checkpointing import install_atomic_checkpoint_writes
@@ -35,6 +35,9 @@ from recipes.scaling import BatchPlan, plan_batches
 from recipes.shm import clean_shared_memory
 
 log = logging.getLogger(__name__)
+# Seconds between Composer's checks that a checkpoint has reached a remote save_folder, after which it
+# uploads the `latest` pointer (Composer's default is 30; one HEAD request each, while the upload runs).
+REMOTE_POINTER_POLL_S = 2.0
 
 
 def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
@@ -71,6 +74,8 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
         place_unsharded(kwargs["model"], torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
     trainer = Trainer(**kwargs)
     cache_fsdp_enabled(trainer.state)  # Composer walks every module once a batch to ask this otherwise
+    # A remote `latest` pointer 2 s behind its checkpoint, not 30 s, and no 30 s wait at a run's end.
+    poll_remote_checkpoints_every(trainer, REMOTE_POINTER_POLL_S)
     trainer.state.callbacks.append(RestoreRngOnResume(trainer))
     trainer.state.callbacks.append(IsolateEvalRng())  # evaluating leaves training's random draws unchanged
     params = redact(dataclasses.asdict(run))  # what wandb/MLflow show: masked (common/secrets.py)

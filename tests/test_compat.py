@@ -35,6 +35,8 @@ RELIED_ON = [
     ("composer.devices:DeviceGPU", "_device", ASSIGNED),
     ("composer.core", "State", None),
     ("composer.core:State", "fsdp_enabled", None),
+    ("composer.callbacks", "CheckpointSaver", None),
+    ("composer.callbacks:CheckpointSaver", "_symlink_upload_wait_before_next_try_in_seconds", ASSIGNED),
     ("composer.utils", "collect_env", None),
     ("composer.utils.collect_env", "get_cpu_model", ()),  # called by get_composer_env_dict
     ("composer.utils.collect_env", "get_composer_env_dict", ()),  # called by Trainer.__init__

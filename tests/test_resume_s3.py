@@ -110,4 +110,10 @@ def test_three_kills_each_restart_resumes_from_the_newest_checkpoint_in_the_buck
     written = list(workdir.iterdir())
     assert written == [], f"written outside the configured folders: {written}"
     assert _remote_batches(s3_server, prefix)[-1] == BATCHES
+    # Composer's `latest` pointer in the bucket names the final checkpoint once the run has ended.
+    client = s3_server.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]]
+    pointer = next(k for k in keys if k.endswith("latest-rank0.pt.symlink"))
+    target = client.get_object(Bucket=BUCKET, Key=pointer)["Body"].read().decode()
+    assert target.endswith(f"-ba{BATCHES}-rank0.pt"), target
     assert_same_run(reference_run(1), tmp_path, why)

@@ -78,3 +78,29 @@ def test_killed_runs_shared_memory_does_not_block_the_next_run(shapes_mds, tmp_p
     trainer.fit()
     assert int(trainer.state.timestamp.batch) == 1
     trainer.close()
+
+
+def test_a_cleanup_racing_another_process_is_repeated_not_fatal(monkeypatch):
+    """Streaming's cleanup creates and unlinks each prefix's blocks; another run starting on the host
+    at that moment makes it open a block that was just unlinked (FileNotFoundError, seen when two test
+    workers built trainers together). The walk is repeated; a cleanup that keeps failing still raises."""
+    import recipes.shm as shm
+
+    calls = []
+
+    def racing(fails: int):
+        def cleanup():
+            calls.append(1)
+            if len(calls) <= fails:
+                raise FileNotFoundError(2, "No such file or directory", "/000000_locals")
+
+        return cleanup
+
+    monkeypatch.setattr(shm, "clean_stale_shared_memory", racing(2))
+    shm._streaming_cleanup()
+    assert len(calls) == 3
+    calls.clear()
+    monkeypatch.setattr(shm, "clean_stale_shared_memory", racing(shm.CLEANUP_TRIES))
+    with pytest.raises(FileNotFoundError, match="000000_locals"):
+        shm._streaming_cleanup()
+    assert len(calls) == shm.CLEANUP_TRIES
