@@ -6,13 +6,14 @@ usage: dist_train.py OUT_DIR YAML [key=value ...]
 import sys
 from pathlib import Path
 
-import torch
-from composer.utils import dist
-
-from extensions.ema import find_ema
-from recipes import load_config, train
-
 if __name__ == "__main__":
+    # Imported here for what train.py says: Composer's spawned upload helpers import this script.
+    import torch
+    from composer.utils import dist
+
+    from extensions.ema import find_ema
+    from recipes import load_config, train
+
     out, yaml_path, *overrides = sys.argv[1:]
     trainer = train(load_config(yaml_path, overrides))
     model = getattr(trainer.state.model, "module", trainer.state.model)  # unwrap DDP
