@@ -8,9 +8,8 @@ by tests/test_compat.py.
 Modules below the public package (re-exported here):
 - `streaming.base.world.World`: which rank is its node's local leader (data/streaming_base.py's
   host-wide prefix lock is taken by that rank).
-- `streaming.base.util`: `merge_index` (convert/report.py merges per-input indexes),
-  `bytes_to_int` (data/streams.py checks `cache_limit` as streaming will parse it) and
-  `clean_stale_shared_memory` (recipes/shm.py runs streaming's own cleanup first).
+- `streaming.base.util`: `merge_index` (convert/report.py merges per-input indexes) and
+  `bytes_to_int` (data/streams.py checks `cache_limit` as streaming will parse it).
 - `streaming.base.shuffle.algos` as SHUFFLE_ALGOS: the valid `shuffle_algo` names, checked up front.
 - `streaming.base.storage.CloudDownloader`: reads a remote index.json with streaming's own
   credentials and endpoint (data/streams.py).
@@ -43,7 +42,7 @@ from streaming.base.shared import prefix as _prefix
 from streaming.base.shared.prefix import _get_path, _unpack_locals
 from streaming.base.shuffle import algos as SHUFFLE_ALGOS
 from streaming.base.storage import CloudDownloader
-from streaming.base.util import bytes_to_int, clean_stale_shared_memory, merge_index
+from streaming.base.util import bytes_to_int, merge_index
 from streaming.base.world import World
 
 UPLOAD_LOGGER = "streaming.base.storage.upload"
@@ -58,7 +57,6 @@ __all__ = [
     "CloudDownloader",
     "World",
     "bytes_to_int",
-    "clean_stale_shared_memory",
     "decompress",
     "epoch_sample_ids",
     "has_epoch_threads",

@@ -8,6 +8,12 @@ files survive, later runs merely step over the leftover prefix; once they are go
 cleaner, a new container with the host's /dev/shm) streaming refuses the folder with "Reused local
 directory". This module handles both: every prefix whose registered folders overlap ours is removed.
 
+Streaming's own `clean_stale_shared_memory` is not run: it unlinks every prefix from 0 up to the
+first free one, whether its job is dead or alive, so a run starting beside another job on the same
+host took that job's registration away; the next dataset then reused its prefix and collided with
+its blocks (`FileExistsError: /000523_epoch_shape`, seen with two test workers). A killed run's
+leftovers on other folders do not block ours: streaming steps over a prefix in use.
+
 Run before this job's datasets exist, on each host's local rank 0, with the other ranks waiting.
 A second live job on the same host using the same data folder would lose its registration; streaming
 does not support that setup anyway.
@@ -25,7 +31,6 @@ from compat.streaming import (
     CACHE_FILELOCK,
     LOCALS,
     SHM_TO_CLEAN,
-    clean_stale_shared_memory,
     registered_locals,
     shm_path,
 )
@@ -66,31 +71,9 @@ def remove_stale_registrations(folders: list[str]) -> list[int]:
     return removed
 
 
-# Streaming's cleanup probes each prefix by creating its blocks and unlinking them again; a second
-# process doing the same at that moment (two runs starting together on one host) sees a block exist,
-# and finds it gone when it opens it: FileNotFoundError. The walk is then simply repeated.
-CLEANUP_TRIES = 5
-
-
-def _streaming_cleanup() -> None:
-    for attempt in range(1, CLEANUP_TRIES + 1):
-        try:
-            clean_stale_shared_memory()
-            return
-        except FileNotFoundError as err:  # another process's cleanup removed the block meanwhile
-            if attempt == CLEANUP_TRIES:
-                raise
-            log.debug("streaming's shared-memory cleanup raced another process's (%s); again", err)
-
-
 def clean_shared_memory(folders: list[str]) -> None:
-    """Streaming's own cleanup, then ours for `folders`, on local rank 0 while other ranks wait.
-
-    Call it with the process group already up (composer's `dist.initialize_dist`): streaming would
-    otherwise start and destroy one of its own on the same port, and a second start right after
-    can race (rank 1 joins the old store while rank 0 waits in the new one, forever).
-    """
-    _streaming_cleanup()
+    """Remove a killed run's registrations of `folders`, on local rank 0 while other ranks wait
+    (call it with the process group already up: composer's `dist.initialize_dist`)."""
     if dist.get_local_rank() == 0 and SHM_DIR.is_dir():
         remove_stale_registrations(folders)
     dist.barrier()

@@ -62,7 +62,6 @@ RELIED_ON = [
     ("streaming.base.storage:CloudDownloader", "direct_download", ("remote", "local", "timeout")),
     ("streaming.base.storage.upload", "logger", None),  # compat.streaming.UPLOAD_LOGGER
     ("streaming.base.util", "bytes_to_int", ("bytes_str",)),
-    ("streaming.base.util", "clean_stale_shared_memory", ()),
     ("streaming.base.util", "merge_index", None),
     ("streaming.base.util", "_merge_index_from_list", ("index_file_urls", "out")),  # merge_index(list, out)
     ("streaming.base.world", "World", None),

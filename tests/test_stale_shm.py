@@ -80,27 +80,16 @@ def test_killed_runs_shared_memory_does_not_block_the_next_run(shapes_mds, tmp_p
     trainer.close()
 
 
-def test_a_cleanup_racing_another_process_is_repeated_not_fatal(monkeypatch):
-    """Streaming's cleanup creates and unlinks each prefix's blocks; another run starting on the host
-    at that moment makes it open a block that was just unlinked (FileNotFoundError, seen when two test
-    workers built trainers together). The walk is repeated; a cleanup that keeps failing still raises."""
-    import recipes.shm as shm
+def test_startup_leaves_a_live_jobs_registration_alone(shapes_mds, tmp_path):
+    """Another job on the host (here: a dataset alive in this process) keeps its registration when a
+    run starts on other folders. Streaming's own cleanup, which recipes/shm.py ran before, unlinked
+    every prefix from 0 to the first free one, live or not."""
+    from streaming import StreamingDataset
 
-    calls = []
+    from recipes.shm import clean_shared_memory
 
-    def racing(fails: int):
-        def cleanup():
-            calls.append(1)
-            if len(calls) <= fails:
-                raise FileNotFoundError(2, "No such file or directory", "/000000_locals")
-
-        return cleanup
-
-    monkeypatch.setattr(shm, "clean_stale_shared_memory", racing(2))
-    shm._streaming_cleanup()
-    assert len(calls) == 3
-    calls.clear()
-    monkeypatch.setattr(shm, "clean_stale_shared_memory", racing(shm.CLEANUP_TRIES))
-    with pytest.raises(FileNotFoundError, match="000000_locals"):
-        shm._streaming_cleanup()
-    assert len(calls) == shm.CLEANUP_TRIES
+    live = StreamingDataset(remote=str(shapes_mds / "mds"), local=str(tmp_path / "live"), batch_size=1)
+    (prefix,) = _prefixes_naming(tmp_path / "live")
+    clean_shared_memory([str(tmp_path / "other")])
+    assert _prefixes_naming(tmp_path / "live") == [prefix]
+    del live
