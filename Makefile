@@ -46,9 +46,11 @@ test: lint
 
 # `make test-fast`: unit tests only, for the edit-test loop: no Composer fit, no subprocess, no server
 # (deselects the marks fit, subprocess, server, heavy and slow). Under 90 s on 2 idle cores. No lint.
+# Without --maxschedchunk: for ~470 short tests the one-at-a-time hand-out cost more than it saved
+# (85 s against 79 s, 2026-11-26).
 FAST_TIER := not (fit or subprocess or server or heavy or slow)
 test-fast: install
-	$(VENV)/bin/pytest -q $(XDIST) -m "$(FAST_TIER)" --durations=10
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) -m "$(FAST_TIER)" --durations=10
 
 # The GPU path measured and checked (bench/gpu_check.py); exits with one line where there is no CUDA.
 # In runs because a device call is capped at 10 minutes: `make gpu-check` (run 1: 256 px, the new step

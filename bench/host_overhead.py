@@ -1,6 +1,6 @@
 """Host time of a training step of yamls/sd2-base.yaml: our Composer path against a plain loop.
 
-    python bench/host_overhead.py [--steps 20] [--warmup 5] [--repeats 3] [--batch 2] [--no-compiled]
+    python bench/host_overhead.py [--steps 30] [--warmup 5] [--repeats 6] [--batch 2] [--no-compiled]
 
 On an H100 the sd2-base UNet at 256 px is launch-bound: the host's time per step (Python, kernel
 launches, hooks, syncs) exceeds the GPU's, so what our path adds on the host is what the GPU loses.
@@ -131,9 +131,9 @@ def time_ours(batch: int, steps: int, warmup: int, *options: str) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--no-compiled", action="store_true", help="leave out ours-compiled")
     args = parser.parse_args(argv)
