@@ -244,10 +244,16 @@ def test_the_output_lock_belongs_to_the_converter_alone(tmp_path, capsys):
     with store.lock():
         assert run_cli("img2dataset", "--src", src, "--out", out) == 1
         assert "another sd-convert is writing there" in capsys.readouterr().err
+        ready, started = os.pipe()
         child = os.fork()  # as the pool forks its workers while the converter holds the lock
         if child == 0:
+            os.write(started, b"1")  # after fork's child handlers (convert.storage drops the lock)
             time.sleep(60)
             os._exit(0)
+        os.close(started)
+        # Wait until the child runs: on a busy machine it can be scheduled after the rerun below.
+        assert os.read(ready, 1) == b"1"
+        os.close(ready)
     try:
         assert run_cli("img2dataset", "--src", src, "--out", out) == 0  # the child lives on
     finally:
