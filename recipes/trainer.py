@@ -74,7 +74,7 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
         place_unsharded(kwargs["model"], torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
     trainer = Trainer(**kwargs)
     cache_fsdp_enabled(trainer.state)  # Composer walks every module once a batch to ask this otherwise
-    # A remote `latest` pointer 2 s behind its checkpoint, not 30 s, and no 30 s wait at a run's end.
+    # The remote `latest` pointer up to 2 s behind its checkpoint, not 30 s; so too the wait at a run's end.
     poll_remote_checkpoints_every(trainer, REMOTE_POINTER_POLL_S)
     trainer.state.callbacks.append(RestoreRngOnResume(trainer))
     trainer.state.callbacks.append(IsolateEvalRng())  # evaluating leaves training's random draws unchanged

@@ -100,7 +100,7 @@ def shared_folder(tmp_path_factory, name: str, build) -> Path:
 
 
 # Modules run in the order of their most expensive test: a slow test with a server (the S3 resume,
-# 2 minutes), then the other slow ones (the quick demo), then those that start processes or fit a
+# ~1.5 minutes), then the other slow ones (the quick demo), then those that start processes or fit a
 # trainer, then the unit tests. With `--maxschedchunk 1` (Makefile) pytest-xdist hands out one test
 # at a time from this queue, so the long ones start first and the quick ones fill the other worker;
 # a module's tests stay together, so that its module-scoped fixtures (a SeaweedFS server) are built
