@@ -1,31 +1,33 @@
 """`make gpu-check`: the GPU path of yamls/sd2-base.yaml, measured and checked, in runs that each fit
 one device call of at most 10 minutes (a GPU machine is lent rarely, for 15 minutes in all).
 
-    python bench/gpu_check.py [--run 1..7] [--budget 450] [--out runs/gpu-check]
+    python bench/gpu_check.py [--run 1..7] [--budget 520] [--out runs/gpu-check]
     python bench/gpu_check.py [--parts throughput e2e ema] [--variants TEXT ...] [--resolutions 256 512]
                               [--quick] [--deterministic] [--preset sd2-base|sdxl-base|sd3-medium]
 
 RUNS (bench/gpu_runs.py; `make gpu-check` is run 1, `make gpu-check PART=2` run 2, ...), each job in
 its own process (a `composer -n GPUS` per variant), in order, cheapest and most certain first, with its
-estimated seconds on one H100 (ESTIMATE_S), within a budget of 450 s (a device call's 600 s less
-installing the carried wheels, 30-60 s, and packing the results):
-  1. Does the new step beat today's at 256 px, and how far is each from the ceiling? (~390 s): the
-     baseline (90), the plain loop (60), then compile + CUDA graphs + bf16 weights + channels_last
-     (240: last, as its compile is a guess; it may take the run's 60 s to spare).
-  2. Does sd2-base.yaml train, save, resume bitwise, export and generate on the GPU, and do the EMA's
-     storage variants agree? (~375 s): e2e with --deterministic (330; 324 s measured without it on
-     2026-11-24), then the EMA check (45).
-  3. Does it win at 512 px as well? (~370 s): the baseline at 512 px (110), then run 1's best 256 px
-     variant (read from OUT/gpu-check-run1.json; without it the combination above) at 512 px (260).
-  4-7. What each part of the combination buys, and whether CUDA graphs hold with gradient
-     accumulation: 4 (~420 s): bf16 weights (90), FSDP per block (90), the combination with 2
-     microbatches a batch (240); 5 (~330 s): 2x microbatch (90), compile + CUDA graphs (240); 6 and 7
-     (~240 s each): compile; compile + channels_last. No two compiled variants fit one run.
-A variant's process took 75-100 s at 256 px on 2026-11-24 (python and imports, building sd2-base's
-UNet, VAE and text encoder, the data loader, 25 batches); torch.compile of the UNet's forward and
-backward adds ~150 s (a guess, never measured: inductor's cache, /tmp/torchinductor_$USER, is shared
-by the processes but misses across dtypes and memory formats). A lent machine's 15 minutes hold about
-two runs: 1 and 2 answer what matters first; the others when there is device time for them.
+estimated seconds on one H100 (ESTIMATE_S), within a budget of 520 s (a device call's 600 s less
+installing the carried wheels, the preflight and packing the results). The recipe's step is FULL
+(yamls/_step/compiled.yaml); the baseline is the eager step (`_step=eager`), the plain loop's peer.
+  1. How far is each step from the ceiling at 256 px? (~335 s): the eager step (90), the plain loop
+     (30), the recipe's step: compile + CUDA graphs + bf16 weights + channels_last (215). Ran on
+     2026-11-26: 198.4, 280.4 and 361.8 img/s.
+  2. Does sd2-base.yaml, compiled, train, save, resume bitwise, export and generate on the GPU?
+     (~515 s): e2e with --deterministic (330 s measured eager on 2026-11-24, plus two compiles).
+  3. Does it win at 512 px as well? (~305 s): the eager step at 512 px (90), then run 1's best 256 px
+     variant (read from OUT/gpu-check-run1.json; without it the recipe's step) at 512 px (215). Ran
+     on 2026-11-26: 85.9 and 107.6 img/s.
+  4-7. What each part of the step buys, and whether CUDA graphs hold with gradient accumulation (the
+     recipe accumulates on 8-32 GPUs): 4 (~395 s): bf16 weights (90), FSDP per block (90), the
+     recipe's step with 2 microbatches a batch (215); 5 (~305 s): 2x microbatch (90), compile + CUDA
+     graphs (215); 6 (~260 s): the EMA's storage variants (45), compile; 7 (~215 s): compile +
+     channels_last. No two compiled variants fit one run.
+A variant's process took 90 s at 256 px and 75 s at 512 px on 2026-11-26 (python and imports,
+building sd2-base's UNet, VAE and text encoder, the data loader, 25 batches); compiling the recipe's
+step added 113-124 s (inductor's cache, /tmp/torchinductor_$USER, is shared by the processes but
+misses across dtypes and memory formats). A lent machine's 15 minutes hold two runs: on 2026-11-26
+runs 1 and 3 took 353 s and 298 s, the machine's start ~30 s.
 
 A killed run still leaves what it measured: a job starts only while 75% of its estimate is left of
 `--budget` (seconds from this script's start; 0: no limit), is killed (its whole process group) past
@@ -69,6 +71,7 @@ from bench.gpu_e2e import DATA  # noqa: E402 (after the path fix)
 from bench.gpu_runs import (  # noqa: E402
     BASE,
     BUDGET_S,
+    COMPILED_STEP,
     FULL,
     FULL_2,
     RUNS,
@@ -85,25 +88,29 @@ ANCHORS = {  # img/s per GPU to reach, and where the number comes from
 MICROBATCH = {256: 32, 512: 16}
 WARMUP, PROFILE_STEPS = 5, 3  # batches before the timed ones, and profiled after them
 MARKERS = ("MICROBATCH_X2", "TWO_MICROBATCHES")  # in a variant: its microbatch doubled; 2 a batch
+# The step without compile, CUDA graphs, bf16 weights or channels-last: the baseline each switch is
+# timed against (yamls/_step/eager.yaml); the recipe's own step is FULL (yamls/_step/compiled.yaml).
+EAGER = "_step=eager"
 # The UNet sharded per block, ZeRO-2, bf16 weights: sd2-base's FSDP option (its YAML gives the
 # override that switches it on), timed against the DDP baseline.
 FSDP = "+trainer.parallelism_config={fsdp: {sharding_strategy: SHARD_GRAD_OP, mixed_precision: PURE}}"
-# The step built for the GPU (issue 29): weights held in bf16 (fp32 master weights in the optimizer),
-# the UNet's forward and backward compiled and replayed as CUDA graphs, channels-last memory.
+# The switches of the recipe's step, one at a time on top of the eager one: weights held in bf16
+# (fp32 master weights in the optimizer), the UNet's forward and backward compiled and replayed as
+# CUDA graphs, channels-last memory.
 BF16 = "model.param_dtype=bfloat16"
 GRAPHS = ["model.compile_unet={mode: reduce-overhead}", "optimizer.capturable=true"]
 CHANNELS_LAST = "model.channels_last=true"
 VARIANTS = {  # name -> overrides on top of the recipe; the first is the baseline
-    BASE: [],
-    "bf16 weights": [BF16],
-    "compile": ["model.compile_unet=true"],
-    "compile + CUDA graphs": GRAPHS,
-    "compile, channels_last": ["model.compile_unet=true", CHANNELS_LAST],
-    FULL: [*GRAPHS, BF16, CHANNELS_LAST],
+    BASE: [EAGER],
+    "bf16 weights": [EAGER, BF16],
+    "compile": [EAGER, "model.compile_unet=true"],
+    "compile + CUDA graphs": [EAGER, *GRAPHS],
+    "compile, channels_last": [EAGER, "model.compile_unet=true", CHANNELS_LAST],
+    FULL: [COMPILED_STEP],  # the recipe's own step, named
     # CUDA graphs replayed twice a batch (gradient accumulation): a known hazard, exercised here
-    FULL_2: [*GRAPHS, BF16, CHANNELS_LAST, "TWO_MICROBATCHES"],
-    "FSDP per block": [FSDP],  # what sharding costs a model that fits (the recipe's reason for DDP)
-    "2x microbatch": ["MICROBATCH_X2"],
+    FULL_2: [COMPILED_STEP, "TWO_MICROBATCHES"],
+    "FSDP per block": [EAGER, FSDP],  # what sharding costs a model that fits (the recipe's reason for DDP)
+    "2x microbatch": [EAGER, "MICROBATCH_X2"],
 }
 # SDXL's recipe is FSDP (full shard, per block) with activation checkpointing: what each costs.
 SDXL_VARIANTS = {

@@ -25,27 +25,34 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The jobs' names: the variants the plan is built around (gpu_check's VARIANTS: their overrides),
 # the plain loop, run 1's best carried to 512 px, and the two checks.
-BASE = "baseline (sdpa, DDP / no wrapper on 1 GPU)"
-FULL = "compile + CUDA graphs + bf16 weights + channels_last"
+BASE = "eager step (_step=eager; sdpa, DDP / no wrapper on 1 GPU)"
+FULL = "compile + CUDA graphs + bf16 weights + channels_last"  # the recipe's step (yamls/_step/compiled.yaml)
 FULL_2 = f"{FULL}, 2 microbatches"  # with gradient accumulation: graphs replayed twice a batch
 PLAIN = "plain PyTorch loop, 1 GPU (the ceiling)"
 BEST = "run 1's best"  # at 512 px: the fastest 256 px variant of run 1 (or of this run)
 E2E_CHECK = "e2e: train, save, resume (--deterministic), export, generate"
 EMA_CHECK = "EMA storage variants"
 # (kind, name, px); each run cheapest and most certain first (a slow compile, a guess, costs only what
-# follows); seconds as estimated (ESTIMATE_S): no two compiled variants (240-260 s) fit one run.
+# follows); seconds as estimated (ESTIMATE_S): no two compiled variants (215 s each) fit one run.
 RUNS = {
-    1: [("throughput", BASE, 256), ("plain", PLAIN, 256), ("throughput", FULL, 256)],  # 90 + 60 + 240
-    2: [("e2e", E2E_CHECK, 256), ("ema", EMA_CHECK, None)],  # 330 + 45
-    3: [("throughput", BASE, 512), ("throughput", BEST, 512)],  # 110 + 260
+    1: [("throughput", BASE, 256), ("plain", PLAIN, 256), ("throughput", FULL, 256)],  # 90 + 30 + 215
+    2: [("e2e", E2E_CHECK, 256)],  # 515: both runs compile the recipe's step
+    3: [("throughput", BASE, 512), ("throughput", BEST, 512)],  # 90 + 215
     4: [("throughput", "bf16 weights", 256), ("throughput", "FSDP per block", 256),
-        ("throughput", FULL_2, 256)],  # 90 + 90 + 240
-    5: [("throughput", "2x microbatch", 256), ("throughput", "compile + CUDA graphs", 256)],  # 90 + 240
-    6: [("throughput", "compile", 256)], 7: [("throughput", "compile, channels_last", 256)],  # 240 each
+        ("throughput", FULL_2, 256)],  # 90 + 90 + 215
+    5: [("throughput", "2x microbatch", 256), ("throughput", "compile + CUDA graphs", 256)],  # 90 + 215
+    6: [("ema", EMA_CHECK, None), ("throughput", "compile", 256)],  # 45 + 215
+    7: [("throughput", "compile, channels_last", 256)],  # 215
 }  # fmt: skip
 # Seconds per job on one H100 (gpu_check's docstring): a variant's process per size, compiling, the rest.
-ESTIMATE_S = {256: 90, 512: 110, 1024: 150, "compile": 150, "plain": 60, "e2e": 330, "ema": 45}
-BUDGET_S = 450  # of a 600 s device call, which also installs the carried wheels (30-60 s) and packs
+# Measured on 2026-11-26 (runs 1 and 3): a variant's process 90 s at 256 px, 75 at 512; compiling the
+# recipe's step added 113-124 s; the plain loop 21 s. e2e: 330 s measured eager on 2026-11-24, plus a
+# cold compile in run A and a warm one (inductor's cache, same shapes) in run B, a guess of 60 s.
+ESTIMATE_S = {256: 90, 512: 90, 1024: 150, "compile": 125, "plain": 30, "e2e": 330 + 125 + 60, "ema": 45}
+# Of a 600 s device call, which also installs the carried wheels (3 s on 2026-11-26), runs the preflight
+# (16-26 s) and packs the results.
+BUDGET_S = 520
+COMPILED_STEP = "_step=compiled"  # sd2-base's default step (yamls/_step/), named in a variant: it compiles
 
 
 def estimate(job: tuple, variants: dict) -> int:
@@ -55,7 +62,8 @@ def estimate(job: tuple, variants: dict) -> int:
     if kind != "throughput":
         return ESTIMATE_S[kind]
     variant = variants[FULL if name == BEST else name]
-    return ESTIMATE_S[resolution] + ESTIMATE_S["compile"] * any("compile_unet" in o for o in variant)
+    compiles = any("compile_unet" in o or o == COMPILED_STEP for o in variant)
+    return ESTIMATE_S[resolution] + ESTIMATE_S["compile"] * compiles
 
 
 def custom_jobs(preset: str, target: dict, quick: bool, only, resolutions, parts) -> list[tuple]:

@@ -62,6 +62,7 @@ def recipe(*overrides: str):
         "trainer.autoresume=false",
         "trainer.device=cpu",
         "trainer.precision=fp32",  # Composer refuses amp_bf16 on the CPU
+        "_step=eager",  # the recipe's CUDA-graph step is GPU only; "ours-compiled" compiles itself
         "trainer.progress_bar=false",
         "trainer.log_to_console=false",
         "~loggers.wandb",

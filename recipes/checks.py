@@ -78,13 +78,21 @@ def fsdp_problem(trainer: dict) -> str | None:
     return None
 
 
-def device_problem(trainer: dict) -> str | None:
-    """The device and precision this machine can run."""
+def device_problem(trainer: dict, optimizer: dict | None = None) -> str | None:
+    """The device and precision this machine can run, and on the CPU an optimizer that is not
+    capturable (yamls/_step/compiled.yaml, a GPU recipe's default step, makes it so)."""
     import torch
 
     device = trainer.get("device") or ("gpu" if torch.cuda.is_available() else "cpu")
     if device == "gpu" and not torch.cuda.is_available():
         return "'trainer.device' is gpu but this machine has no CUDA GPU; use trainer.device=cpu"
+    if device == "cpu" and (optimizer or {}).get("capturable"):
+        # torch asserts it at the first step: its capturable update keeps the step counters on a GPU.
+        return (
+            "'optimizer.capturable' is true, which needs a GPU (the update CUDA graphs can replay); "
+            "add _step=eager for a CPU run (the step without compile, CUDA graphs or bf16 weights: "
+            "yamls/_step/eager.yaml)"
+        )
     precision = trainer.get("precision") or "fp32"
     if device == "cpu" and precision != "fp32":
         return (

@@ -324,10 +324,10 @@ def _build_once(spec: dict, where: str, **supplied) -> None:
         raise ConfigError(f"'{where}' ({spec['_target_']}): {message}") from err
 
 
-def check_device(trainer: dict) -> None:
-    """The device and precision this machine can run (recipes/checks.py); called before anything is
-    built."""
-    _refuse(device_problem(trainer))
+def check_device(run: RunConfig) -> None:
+    """The device, precision and optimizer this machine can run (recipes/checks.py); called before
+    anything is built."""
+    _refuse(device_problem(run.trainer, run.optimizer))
 
 
 def _refuse(problem: str | None) -> None:

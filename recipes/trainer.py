@@ -43,7 +43,7 @@ REMOTE_POINTER_POLL_S = 2.0
 def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     run = cfg if isinstance(cfg, RunConfig) else parse_config(cfg)
     protect_config_secrets(dataclasses.asdict(run))  # before a logger (wandb) records the command line
-    check_device(run.trainer)
+    check_device(run)
     world_size = dist.get_world_size()
     _plan(run, world_size)  # an uneven batch split fails here, before anything is built
     reproducibility.seed_all(run.seed)

@@ -248,6 +248,7 @@ def test_throughput_benchmark_writes_what_the_planner_reads(shapes_mds, tmp_path
         "data.train.num_canonical_nodes=1",
         "trainer.device=cpu",
         "trainer.precision=fp32",
+        "_step=eager",  # the recipe's CUDA graphs: GPU only
     ]
     args = [
         str(REPO / "yamls/sd2-base.yaml"),

@@ -134,7 +134,7 @@ def test_throughput_profiles_batches_after_the_timed_ones(shapes_mds, tmp_path, 
         "model.preset=tiny", "~model.pretrained_components", "~model.low_precision_norms",
         "global_train_batch_size=4", "trainer.device_train_microbatch_size=4", "data.train.resolution=32",
         "data.train.num_workers=0", "data.train.num_canonical_nodes=1", "trainer.device=cpu",
-        "trainer.precision=fp32", "callbacks.memory_monitor=null",
+        "trainer.precision=fp32", "callbacks.memory_monitor=null", "_step=eager",
     ]  # fmt: skip
     args = [str(REPO / "yamls/sd2-base.yaml"), *overrides, "--batches", "2", "--warmup", "1"]
     args += ["--out", str(out), "--data", str(shapes_mds / "mds"), "--profile", str(profile)]

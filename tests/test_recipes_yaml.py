@@ -9,12 +9,16 @@ import yaml
 from composer.algorithms.low_precision_groupnorm.low_precision_groupnorm import LPGroupNorm
 from composer.algorithms.low_precision_layernorm.low_precision_layernorm import LPLayerNorm
 from composer.loggers import WandBLogger
+from hydra.utils import get_object
 from omegaconf import OmegaConf
 from PIL import Image
 
+from compat.torch import is_compiled
 from data.image_caption import ImageCaptionDataset
+from extensions.master_weights import MasterWeightAdamW
 from models import build_model
 from models.record import describe
+from models.torch_compile import compiles_with_cudagraphs
 from recipes import ConfigError, build_trainer, load_config, parse_config
 from recipes.trainer import trainer_kwargs
 from tests.conftest import REPO
@@ -179,9 +183,16 @@ def test_sd2_base_wiring_trains_on_the_tiny_preset(shapes_mds, tmp_path):
     for name in ("vae", "text_encoder"):
         mine, theirs = getattr(model, name).state_dict(), getattr(source, name).state_dict()
         assert all(mine[k].equal(v) for k, v in theirs.items())
-    # Optimizer on the UNet alone, with the recipe's hyperparameters.
+    # The step (yamls/_step/compiled.yaml): bf16 weights, channels-last, compiled in place.
+    assert model.unet.dtype == getattr(torch, recipe["model"]["param_dtype"])
+    conv = next(m for m in model.unet.modules() if isinstance(m, torch.nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last) == recipe["model"]["channels_last"]
+    assert is_compiled(model.unet) == bool(recipe["model"]["compile_unet"])
+    # Optimizer on the UNet alone, with the recipe's hyperparameters (and, for bf16 weights, the
+    # fp32 master weights: extensions/master_weights.py's subclass of the recipe's AdamW).
     optimizer, settings = kwargs["optimizers"], dict(recipe["optimizer"])
-    assert type(optimizer).__name__ == _name(settings.pop("_target_"))
+    assert isinstance(optimizer, get_object(settings.pop("_target_")))
+    assert isinstance(optimizer, MasterWeightAdamW) == (recipe["model"]["param_dtype"] == "bfloat16")
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert optimized == {id(p) for p in model.unet.parameters()}
     assert {k: optimizer.defaults[k] for k in settings} == settings
@@ -200,7 +211,9 @@ def test_sd2_base_wiring_trains_on_the_tiny_preset(shapes_mds, tmp_path):
     callbacks = {type(c).__name__: c for c in kwargs["callbacks"]}
     assert len(callbacks) == len(kwargs["callbacks"])
     configured = {_name(c["_target_"]) for c in recipe["callbacks"].values() if c is not None}
-    assert callbacks.keys() == configured | {"ModelRecord"}  # the record: added to every run
+    # The record is added to every run; under CUDA graphs, gradient buffers of their own.
+    graphs = compiles_with_cudagraphs(recipe["model"]["compile_unet"])
+    assert callbacks.keys() == configured | {"ModelRecord", *["PersistentGradients"] * graphs}
     assert callbacks["ModelRecord"].state_dict()["unet"] == describe(model)["unet"]  # in every checkpoint
     grids, samples = callbacks["SampleGrids"], recipe["callbacks"]["samples"]
     assert (grids.prompts, grids.per_prompt, grids.guidance, grids.steps) == (
@@ -219,9 +232,15 @@ def test_sd2_base_wiring_trains_on_the_tiny_preset(shapes_mds, tmp_path):
     [logger] = kwargs["loggers"]
     assert isinstance(logger, WandBLogger) and logger.project == recipe["loggers"]["wandb"]["project"]
 
-    # Two batches on the CPU: the same recipe but for the device, precision, FSDP, wandb and the
-    # GPU memory monitor, with 32 px images and a batch the 64-image set holds.
+    # Two batches on the CPU: the same recipe but for the device, precision, the step (CUDA graphs
+    # and a capturable optimizer are refused on the CPU), wandb and the GPU memory monitor, with 32 px
+    # images and a batch the 64-image set holds.
+    with pytest.raises(ConfigError, match="_step=eager"):
+        build_trainer(
+            load_config(YAMLS / "sd2-base.yaml", given + ["trainer.device=cpu", "trainer.precision=fp32"])
+        )
     cpu = [
+        "_step=eager",
         f"data.train.local={tmp_path / 'cpu-cache'}",
         "data.train.resolution=32",
         "data.train.num_workers=0",
