@@ -14,9 +14,14 @@ host took that job's registration away; the next dataset then reused its prefix 
 its blocks (`FileExistsError: /000523_epoch_shape`, seen with two test workers). A killed run's
 leftovers on other folders do not block ours: streaming steps over a prefix in use.
 
+A prefix some live process still maps (its `*_locals` block in /proc/PID/maps) is not a killed run's
+and stays: streaming lets jobs on one host share a local-only folder (no remote; a sweep of
+single-GPU runs over one /data/mds, or two test workers), and removing a live job's registration
+took its barrier away (`FileNotFoundError: /000922_barrier`, seen in the suite). Processes this user
+cannot read (another user's, another PID namespace's) are not seen; their blocks are not ours to
+unlink either (/dev/shm is sticky).
+
 Run before this job's datasets exist, on each host's local rank 0, with the other ranks waiting.
-A second live job on the same host using the same data folder would lose its registration; streaming
-does not support that setup anyway.
 """
 
 import logging
@@ -46,12 +51,31 @@ def _registered_locals(locals_block: Path) -> list[str]:
         return []
 
 
+def mapped_shm_names() -> set[str]:
+    """Names of the /dev/shm files that a process this user can read maps (its /proc/PID/maps)."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        for line in text.splitlines():
+            at = line.find(f"{SHM_DIR}/")
+            if at >= 0:
+                names.add(line[at + len(str(SHM_DIR)) + 1 :].removesuffix(" (deleted)"))
+    return names
+
+
 def remove_registrations(stale) -> list[int]:
-    """Remove every streaming prefix for which `stale(registered_folders)` is true; returns them."""
-    removed = []
+    """Remove every streaming prefix for which `stale(registered_folders)` is true and that no live
+    process maps; returns them."""
+    removed, mapped = [], None
     for block in sorted(SHM_DIR.glob(f"*_{LOCALS}")):
         prefix = block.name.split("_", 1)[0]
         if not prefix.isdigit() or not stale([os.path.abspath(f) for f in _registered_locals(block)]):
+            continue
+        mapped = mapped_shm_names() if mapped is None else mapped  # only once a candidate is found
+        if block.name in mapped:  # a live job's: it shares the folder
             continue
         prefix_int = int(prefix)
         for name in SHM_TO_CLEAN:
@@ -63,7 +87,7 @@ def remove_registrations(stale) -> list[int]:
 
 
 def remove_stale_registrations(folders: list[str]) -> list[int]:
-    """Remove every streaming prefix that registers one of `folders`; returns the prefixes removed."""
+    """Remove every dead streaming prefix that registers one of `folders`; returns those removed."""
     ours = {os.path.abspath(f) for f in folders}
     removed = remove_registrations(lambda registered: bool(ours & set(registered)))
     if removed:

@@ -60,16 +60,20 @@ def run(cmd: list[str], cwd, env, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def kill_point(low: int, high: int) -> tuple[int, str]:
-    """A batch in [low, high] to kill at, from KILL_SEED if set, else a fresh seed; returns it with a
-    line that says how to repeat the draw (put it in every assertion message)."""
+def kill_point(low: int, high: int) -> tuple[int, float, str]:
+    """A batch in [low, high] to kill at and the seconds to wait after it is logged (somewhere inside
+    the next batch or its checkpoint write, not on a boundary), both from KILL_SEED if set, else a
+    fresh seed; returns them with a line that says how to repeat the draw (put it in every assertion
+    message)."""
     seed = int(os.environ.get("KILL_SEED") or random.randrange(2**32))
-    batch = random.Random(seed).randint(low, high)
-    return batch, f"killed at batch {batch}; repeat with KILL_SEED={seed}"
+    draw = random.Random(seed)
+    batch, delay = draw.randint(low, high), draw.uniform(0.0, 0.3)
+    return batch, delay, f"killed {delay:.3f} s after batch {batch}; repeat with KILL_SEED={seed}"
 
 
-def run_and_kill_at(cmd: list[str], cwd, env, loss_log: Path, batch: int, timeout=300) -> None:
-    """Start `cmd` in its own process group and SIGKILL the whole group once `batch` is logged."""
+def run_and_kill_at(cmd: list[str], cwd, env, loss_log: Path, batch: int, delay: float, timeout=300) -> None:
+    """Start `cmd` in its own process group and SIGKILL the whole group `delay` seconds after `batch`
+    is logged."""
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
@@ -79,8 +83,7 @@ def run_and_kill_at(cmd: list[str], cwd, env, loss_log: Path, batch: int, timeou
             if proc.poll() is not None:
                 raise AssertionError(f"training exited ({proc.returncode}) before batch {batch}")
             if loss_log.exists() and batch in read_loss_log(loss_log):
-                # Land somewhere inside the next batch (or its checkpoint write), not on a boundary.
-                time.sleep(random.uniform(0.0, 0.3))
+                time.sleep(delay)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
                 return

@@ -48,7 +48,7 @@ def test_install_is_idempotent(atomic_writes):
 
 @pytest.mark.slow
 def test_sigkill_halfway_through_a_save_then_autoresume(reference_run, shapes_mds, tmp_path):
-    kill_at, why = kill_point(2, BATCHES - 2)
+    kill_at, _, why = kill_point(2, BATCHES - 2)
     # save_overwrite=false: a torn file left under the final name would then block the rerun.
     command = train_command(1, tmp_path, shapes_mds, "trainer.save_overwrite=false")
     killed = run(

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sigkill_and_resume_is_bitwise_identical(nproc, reference_run, shapes_mds, tmp_path):
-    kill_at, why = kill_point(2, BATCHES - 2)
+    kill_at, delay, why = kill_point(2, BATCHES - 2)
     command = train_command(nproc, tmp_path, shapes_mds)
-    run_and_kill_at(command, REPO, train_env(), tmp_path / "loss.jsonl", kill_at)
+    run_and_kill_at(command, REPO, train_env(), tmp_path / "loss.jsonl", kill_at, delay)
     assert not (tmp_path / "unet-rank0.pt").exists()
     again = run(command, REPO, train_env())
     assert again.returncode == 0, f"{why}: " + again.stderr[-3000:]

@@ -32,9 +32,9 @@ def _remote_batches(server, prefix: str) -> list[int]:
     return sorted(int(m[1]) for n in names if (m := re.search(r"-ba(\d+)-rank0\.pt$", n)))
 
 
-def _run_until_logged(cmd, cwd, env, loss_log, batch, timeout=300) -> list[int]:
-    """Run `cmd` and SIGKILL its process group at a random moment after it logs `batch` (this run's
-    own record, not an earlier run's); the batches this run logged."""
+def _run_until_logged(cmd, cwd, env, loss_log, batch, delay, timeout=300) -> list[int]:
+    """Run `cmd` and SIGKILL its process group `delay` seconds after it logs `batch` (this run's own
+    record, not an earlier run's); the batches this run logged."""
     start = loss_log.stat().st_size if loss_log.exists() else 0
     stderr = loss_log.with_name(f"stderr-{batch}.txt")
     with stderr.open("w") as err:
@@ -47,7 +47,7 @@ def _run_until_logged(cmd, cwd, env, loss_log, batch, timeout=300) -> list[int]:
             new = loss_log.read_bytes()[start:].decode() if loss_log.exists() else ""
             logged = [json.loads(line)["batch"] for line in new.splitlines() if line.endswith("}")]
             if batch in logged:
-                time.sleep(random.uniform(0.0, 0.3))  # inside the next batch, its save or its upload
+                time.sleep(delay)  # inside the next batch, its save or its upload
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
                 new = loss_log.read_bytes()[start:].decode()
@@ -78,7 +78,8 @@ def test_three_kills_each_restart_resumes_from_the_newest_checkpoint_in_the_buck
     rng = random.Random(seed)
     first = rng.randint(2, 3)
     kills = [first, rng.randint(first + 2, 5), rng.randint(6, BATCHES - 1)]
-    why = f"killed at batches {kills}; repeat with KILL_SEED={seed}"
+    delays = [rng.uniform(0.0, 0.3) for _ in kills]  # after each kill batch is logged
+    why = f"killed at batches {kills}, {[round(d, 3) for d in delays]} s after; repeat with KILL_SEED={seed}"
     prefix = f"resume3-{tmp_path.name}/ckpt"
     workdir = tmp_path / "cwd"
     workdir.mkdir()
@@ -103,7 +104,7 @@ def test_three_kills_each_restart_resumes_from_the_newest_checkpoint_in_the_buck
             assert result.returncode == 0, f"{why}: " + result.stderr[-3000:]
             logged = [json.loads(line)["batch"] for line in loss_log.read_text().splitlines()[before:]]
         else:
-            logged = _run_until_logged(command(kill_at), workdir, env, loss_log, kill_at)
+            logged = _run_until_logged(command(kill_at), workdir, env, loss_log, kill_at, delays[i])
         where = f"run {i + 1}: resumed at {logged[0]}, the bucket held {in_bucket}; {why}"
         assert logged[0] == expected_start, where
 

@@ -93,3 +93,35 @@ def test_startup_leaves_a_live_jobs_registration_alone(shapes_mds, tmp_path):
     clean_shared_memory([str(tmp_path / "other")])
     assert _prefixes_naming(tmp_path / "live") == [prefix]
     del live
+
+
+HOLD = """
+import sys
+from streaming import StreamingDataset
+dataset = StreamingDataset(local=sys.argv[1], batch_size=1)  # local only: jobs may share the folder
+print("registered", flush=True)
+sys.stdin.readline()  # until the test has started its run beside this one
+dataset[0]
+print("read", flush=True)
+"""
+
+
+def test_a_live_job_sharing_the_folder_keeps_its_registration(shapes_mds):
+    """Streaming lets jobs on one host share a local-only folder (a sweep over one dataset; the test
+    workers over shapes_mds): a run starting beside a live one on the same folder removes nothing of
+    it, and the live job reads on."""
+    from recipes.shm import clean_shared_memory
+
+    folder = shapes_mds / "mds"
+    command = [sys.executable, "-c", HOLD, str(folder)]
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as live:
+        try:
+            assert live.stdout.readline() == "registered\n"
+            prefixes = {p for p in _prefixes_naming(folder)}  # the live job's, and any other worker's
+            assert prefixes
+            clean_shared_memory([str(folder)])
+            assert prefixes <= set(_prefixes_naming(folder))
+            out, _ = live.communicate("go\n", timeout=120)
+        finally:
+            live.kill()
+    assert live.returncode == 0 and out == "read\n", out
