@@ -53,8 +53,9 @@ test-fast: install
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) -m "$(FAST_TIER)" --durations=10
 
 # The GPU path measured and checked (bench/gpu_check.py); exits with one line where there is no CUDA.
-# In runs because a device call is capped at 10 minutes: `make gpu-check` (run 1: 256 px, the new step
-# against today's), PART=2 (train/save/resume bitwise/export), PART=3 (512 px), PART=4-7 (each part).
+# In runs because a device call is capped at 10 minutes: `make gpu-check` (run 1: 256 px, the compiled
+# step against the eager one and a plain loop), PART=2 (train/save/resume bitwise/export), PART=3 (512 px),
+# PART=4-7 (each part).
 # `make gpu-check PRESET=sdxl-base` (or sd3-medium) measures that recipe's throughput instead.
 # On a lent GPU machine (no network, no make install): bench/gpu_session.sh (docs/benchmarks.md, GPU figures).
 PRESET ?= sd2-base
