@@ -64,8 +64,8 @@ def check_checkpoint_file(path: str | Path) -> Path:
 
 
 def read_checkpoint(path: str | Path) -> dict:
-    """The `state` of a Composer checkpoint file, its tensors memory-mapped (the optimizer state,
-    twice the UNet's size, is never read)."""
+    """The `state` of a Composer checkpoint file, its tensors memory-mapped (of the optimizer state,
+    twice the UNet's size, only a bf16 run's fp32 master weights are ever read: `master_state`)."""
     path = check_checkpoint_file(path)
     with path.open("rb") as file:
         # mmap needs the zip format; the pickle of torch before 1.6 is read whole.
@@ -90,6 +90,20 @@ def read_checkpoint(path: str | Path) -> dict:
 def model_state(state: dict) -> dict[str, torch.Tensor]:
     # DDP adds "module."; the EMA algorithm strips it too, so both name tensors the same way.
     return {k.removeprefix("module."): v for k, v in state["model"].items()}
+
+
+def master_state(state: dict) -> dict[str, torch.Tensor]:
+    """name -> the fp32 master weight that extensions/master_weights.py's optimizer keeps for each
+    bf16 parameter of a `model.param_dtype: bfloat16` run: the trained weight at full precision,
+    where the model's own is that rounded to bf16. Empty for any other run."""
+    masters = {}
+    for optimizer in (state.get("optimizers") or {}).values():
+        per_parameter = optimizer.get("state") if isinstance(optimizer, dict) else None
+        for name, parameter_state in (per_parameter or {}).items():
+            # Composer saves the state by parameter name (torch's optimizer state dict by index).
+            if isinstance(name, str) and isinstance(parameter_state, dict) and "master" in parameter_state:
+                masters[name.removeprefix("module.")] = parameter_state["master"]
+    return masters
 
 
 def ema_state(state: dict) -> dict[str, torch.Tensor] | None:

@@ -47,7 +47,14 @@ from diffusers import (
 
 from compat.transformers import init_empty_weights
 from models.build import MODEL_CLASSES, bundled_tokenizers
-from models.checkpoint_file import CheckpointError, ema_state, one_line_errors, raw_state, read_checkpoint
+from models.checkpoint_file import (
+    CheckpointError,
+    ema_state,
+    master_state,
+    one_line_errors,
+    raw_state,
+    read_checkpoint,
+)
 from models.lora import merge_lora, save_lora
 from models.mmdit import RectifiedFlowTransformer
 from models.presets import PRESETS, build_components, family
@@ -132,10 +139,12 @@ def load_model_from_checkpoint(
         predicts (epsilon when None; an mmdit model predicts the flow, and takes no prediction type).
     """
     state = read_checkpoint(path)
-    # In fp32 whatever the run trained in: a model.param_dtype=bfloat16 run's bf16 weights (upcast
-    # exactly) load, sample and export as every other model's do.
+    # In fp32 whatever the run trained in: a model.param_dtype=bfloat16 run's weights are its
+    # optimizer's fp32 masters (the bf16 ones are those rounded), so it loads, samples and exports
+    # at full precision as every other model does.
     low = (torch.bfloat16, torch.float16)
     weights = {k: v.float() if v.dtype in low else v for k, v in raw_state(state).items()}
+    weights.update({k: v for k, v in master_state(state).items() if k in weights})
     averaged = ema_state(state)
     if ema and averaged is None:
         raise CheckpointError(

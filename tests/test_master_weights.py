@@ -371,11 +371,15 @@ def test_sampling_from_bf16_weights_and_their_checkpoint(bf16_run):
     images = model.generate(["a red circle"], num_inference_steps=2, seed=0)
     assert images.dtype == torch.float32 and torch.isfinite(images).all()
 
-    # A checkpoint's bf16 weights load in fp32 (exactly), as export and generate read them.
+    # Export and generate read a checkpoint's raw weights at full precision: the optimizer's fp32
+    # masters, of which the bf16 weights are the rounding (not the bf16 weights cast up).
     loaded = load_model_from_checkpoint(folder / "ba20.pt", ema=False)
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
-    for p, q in zip(model.unet.parameters(), loaded.unet.parameters()):
-        assert torch.equal(p.float(), q)
+    optimizer, finer = trainer.state.optimizers[0], 0
+    for p, q in zip(model.unet.parameters(), loaded.unet.parameters(), strict=True):
+        assert torch.equal(q, optimizer.state[p]["master"]) and torch.equal(q.to(p.dtype), p)
+        finer += not torch.equal(q, p.float())
+    assert finer > 0  # the masters hold what bf16 rounds away
     again = loaded.generate(["a red circle"], num_inference_steps=2, seed=0)
     assert torch.isfinite(again).all()
     # The EMA average is fp32 (of the fp32 masters), and stays fp32 in the loaded model.
