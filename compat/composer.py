@@ -24,6 +24,14 @@
   Composer spawns sees the checkpoint in the bucket, polling at this interval; so the pointer lags its
   checkpoint by up to 30 s, and the end of every run waits for that poll. `poll_remote_checkpoints_every`
   sets it on a trainer's savers: one HEAD request per poll while a checkpoint uploads.
+- `Trainer._use_closures()`: True for every precision but fp16 AMP, and then Composer hands the
+  microbatches to `optimizer.step(closure)` as a closure that ends in `loss.item()`. That host sync
+  sits between the backward and the optimizer's kernels, so the host launches the update only once
+  the GPU has finished the backward, and the GPU then idles while it does. AdamW, Adam and SGD (and
+  their subclasses: MasterWeightAdamW, Composer's decoupled ones) never call the closure for more than
+  running it first, which Composer's other path does itself: `_train_microbatches`, then
+  `optimizer.step()`, the path it takes for fp16. `step_without_closure` makes a trainer whose
+  optimizers are all of those take it: one sync a batch fewer (tests/test_host_syncs.py).
 - Modules below the public API: `composer.algorithms.ema.ema` (EMAParameters, compute_ema: bench/ema.py
   compares against Composer's EMA update), `composer.callbacks.speed_monitor.GPU_AVAILABLE_FLOPS`
   (bench/gpu_check.py's peak FLOPS table) and the modules `LPGroupNorm` / `LPLayerNorm` below
@@ -37,6 +45,7 @@ import platform
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from composer.callbacks import CheckpointSaver
 from composer.core import State
 from composer.utils import checkpoint, collect_env
@@ -117,6 +126,28 @@ def _cpu_model() -> str:
 def skip_cpu_probe() -> None:
     """Make the environment report each Trainer logs name the CPU without starting a process."""
     collect_env.get_cpu_model = _cpu_model
+
+
+# Optimizers whose step runs a closure only to get the loss first (torch's Adam, AdamW, SGD; their
+# subclasses included): for them `optimizer.step()` after the microbatches is the same update.
+CLOSURE_FREE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def step_without_closure(trainer, enabled: bool = True) -> bool:
+    """Make `trainer` run a batch's microbatches and then `optimizer.step()`, not the microbatches as
+    the step's closure (whose `loss.item()` syncs before the update is launched), when every optimizer
+    is CLOSURE_FREE; returns whether it did. `enabled=False` gives Composer its own choice back."""
+    trainer.__dict__.pop("_use_closures", None)
+    optimizers = trainer.state.optimizers or []
+    if not enabled or not optimizers or not all(isinstance(o, CLOSURE_FREE) for o in optimizers):
+        return False
+    trainer._use_closures = lambda: False
+    return True
+
+
+def steps_with_closure(trainer) -> bool:
+    """Whether `trainer` hands its microbatches to `optimizer.step` as a closure."""
+    return trainer._use_closures()
 
 
 def poll_remote_checkpoints_every(trainer, seconds: float) -> None:

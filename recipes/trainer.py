@@ -17,7 +17,13 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 
 from common.secrets import protect_config_secrets, redact
-from compat.composer import cache_fsdp_enabled, mlflow_run_id, poll_remote_checkpoints_every, skip_cpu_probe
+from compat.composer import (
+    cache_fsdp_enabled,
+    mlflow_run_id,
+    poll_remote_checkpoints_every,
+    skip_cpu_probe,
+    step_without_closure,
+)
 from data.loader import build_image_caption_dataloader
 from extensions.callbacks import IsolateEvalRng, RestoreRngOnResume
 from extensions.checkpointing import install_atomic_checkpoint_writes
@@ -74,6 +80,7 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
         place_unsharded(kwargs["model"], torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
     trainer = Trainer(**kwargs)
     cache_fsdp_enabled(trainer.state)  # Composer walks every module once a batch to ask this otherwise
+    step_without_closure(trainer)  # no loss.item() between the backward and the optimizer's kernels
     # The remote `latest` pointer up to 2 s behind its checkpoint, not 30 s; so too the wait at a run's end.
     poll_remote_checkpoints_every(trainer, REMOTE_POINTER_POLL_S)
     trainer.state.callbacks.append(RestoreRngOnResume(trainer))

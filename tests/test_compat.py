@@ -28,6 +28,7 @@ RELIED_ON = [
     ("composer.utils", "checkpoint", None),
     ("composer.utils.checkpoint", "_write_checkpoint_file", ("state_dict", "filename")),
     ("composer.trainer.trainer:Trainer", "_rng_state", ASSIGNED),
+    ("composer.trainer.trainer:Trainer", "_use_closures", ()),
     ("composer.loggers.mlflow_logger:MLFlowLogger", "_enabled", ASSIGNED),
     ("composer.loggers.mlflow_logger:MLFlowLogger", "_run_id", ASSIGNED),
     ("composer.loggers.mlflow_logger:MLFlowLogger", "tracking_uri", ASSIGNED),

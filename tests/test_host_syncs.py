@@ -4,11 +4,12 @@ up, and on a launch-bound step (sd2-base at 256 px on an H100) the GPU then idle
 launches the next kernels. The count must not grow with the number of microbatches.
 
 Counted on the CPU with a dispatch mode over the training thread: the ops that need a tensor's value
-on the host (`.item()`, `bool(tensor)`, data-dependent shapes). Measured (2026-11-26): 8 a batch.
-Composer 0.32.1 makes 7 of them: its closure's `loss.item()` for `optimizer.step(closure)`, the
-batch-size all-reduce, the end-of-data flag, the loss for logging and 3 in the time bookkeeping
-(`_accumulate_time_across_ranks`); the NaN guard makes one. Composer's SpeedMonitor made a ninth (its
-FLOPs all-reduce for MFU); extensions/speed_monitor.py counts FLOPs on the host instead."""
+on the host (`.item()`, `bool(tensor)`, data-dependent shapes). Measured (2026-11-26): 7 a batch.
+Composer 0.32.1 makes 6 of them: the batch-size all-reduce, the end-of-data flag, the loss for
+logging and 3 in the time bookkeeping (`_accumulate_time_across_ranks`); the NaN guard makes one.
+Composer's closure for `optimizer.step(closure)` made an eighth (`loss.item()`, between the backward
+and the update: compat/composer.py step_without_closure), and its SpeedMonitor a ninth (its FLOPs
+all-reduce for MFU; extensions/speed_monitor.py counts FLOPs on the host instead)."""
 
 import gc
 
@@ -16,11 +17,12 @@ import pytest
 import torch
 from composer.core import Callback
 
+from compat.composer import step_without_closure, steps_with_closure
 from compat.torch import TorchDispatchMode
 from recipes import build_trainer, load_config
 from tests.conftest import REPO, tiny_run
 
-MAX_SYNCS = 8  # what it is today (see above) and issue 29's bound: a new sync anywhere fails this test
+MAX_SYNCS = 7  # what it is today (see above): a new sync anywhere fails this test
 SYNC_OPS = {
     torch.ops.aten._local_scalar_dense.default,  # .item(), float(t), bool(t), if t:
     torch.ops.aten.nonzero.default,
@@ -95,6 +97,37 @@ def test_syncs_per_batch_do_not_grow_with_microbatches_and_stay_few(counts):
     assert len(one) == 2 and len(set(one)) == 1, one  # every steady batch alike
     assert one == two == eight, f"1 microbatch: {one}, 2: {two}, 8: {eight}"
     assert 0 < one[0] <= MAX_SYNCS, one
+
+
+def test_the_step_without_composers_closure_is_the_same_update(shapes_mds):
+    """Composer's closure path (`optimizer.step(closure)`) and ours (the microbatches, then
+    `optimizer.step()`) give the same losses and weights, bitwise, over 3 batches of 2 microbatches."""
+    runs = []
+    overrides = [*tiny_run(shapes_mds, 3), "global_train_batch_size=8"]
+    overrides.append("trainer.device_train_microbatch_size=4")  # 2 microbatches a batch
+    for closure in (True, False):
+        trainer = build_trainer(load_config(REPO / "yamls/tiny-cpu.yaml", overrides))
+        assert steps_with_closure(trainer) is False  # build_trainer's choice
+        step_without_closure(trainer, enabled=not closure)
+        assert steps_with_closure(trainer) is closure
+        losses = LossRecord()
+        trainer.state.callbacks.append(losses)
+        trainer.fit()
+        trainer.close()
+        runs.append((losses.losses, {k: v.clone() for k, v in trainer.state.model.unet.state_dict().items()}))
+        del trainer
+        gc.collect()
+    (with_closure, weights), (without, weights_without) = runs
+    assert len(with_closure) == 3 and with_closure == without
+    assert all(torch.equal(weights[k], weights_without[k]) for k in weights)
+
+
+class LossRecord(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def batch_end(self, state, logger):
+        self.losses.append(float(state.loss))
 
 
 class ModuleWalks(Callback):
