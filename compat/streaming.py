@@ -20,7 +20,8 @@ Modules below the public package (re-exported here):
 
 Private names (wrapped in functions below):
 - `shared.prefix._get_path`, `_unpack_locals`: a prefix's block/lock file names and the folders a
-  `*_locals` block registers, for recipes/shm.py's cleanup of a killed run's shared memory.
+  `*_locals` block registers, for recipes/shm.py's cleanup of a killed run's shared memory; a
+  StreamingDataset's `_shm_prefix_int`, the prefix it registered (data/streaming_base.py holds it).
 - `shared.prefix._check_and_find` and its module's `SharedMemory`: patched for the test session
   (`prefix_probes_close_after_use`) so the shared memory merely probed is closed at once.
 - StreamingDataset's `_unique_rank_world`, `_parallel_rank_world`, `_unique_worker_world`,
@@ -65,6 +66,7 @@ __all__ = [
     "reader_from_json",
     "registered_locals",
     "shm_path",
+    "shm_prefix",
     "stop_epoch_threads",
 ]
 
@@ -72,6 +74,11 @@ __all__ = [
 def shm_path(prefix_int: int, name: str) -> str:
     """The name of prefix `prefix_int`'s shared-memory block or lock file `name` ("/000003_locals")."""
     return _get_path(prefix_int, name)
+
+
+def shm_prefix(dataset) -> int:
+    """The shared-memory prefix a StreamingDataset registered its folders under."""
+    return dataset._shm_prefix_int
 
 
 def registered_locals(data: bytes) -> list[str]:

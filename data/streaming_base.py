@@ -21,40 +21,85 @@
    still compressed goes through `get_item`'s own `prepare_shard` as before, in the loop instead of
    ahead of it.
 
+3. Who holds a prefix. Streaming cannot tell a live job's registration from a killed one's, and
+   processes that merely probed a prefix keep its blocks mapped (streaming's search for a free one
+   keeps open what it opened), so a mapping proves nothing either. Each process that builds one of
+   our datasets holds a shared flock on the prefix's owner file in /dev/shm while the dataset lives
+   (`hold_prefix`); the kernel drops it when the process dies, so recipes/shm.py removes a
+   registration of our folders only when nobody holds its owner file (`prefix_held`).
+
 `__iter__` mirrors streaming 0.13's set-up steps (compat/streaming.py); tests/test_streaming_base.py
 checks the order against streaming's own iteration, and the lock against concurrent processes.
 """
 
+import contextlib
 import fcntl
 import os
 import tempfile
+import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed
 from streaming import StreamingDataset
 
-from compat.streaming import World, epoch_sample_ids, stop_epoch_threads
+from compat.streaming import World, epoch_sample_ids, shm_prefix, stop_epoch_threads
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PREFIX_LOCK = os.path.join(SHM_DIR, "sd-recipes-streaming-prefix.lock")
+OWNER_FILE = os.path.join(SHM_DIR, "sd-recipes-prefix-{:06d}.owner")
+_held: dict[int, list] = {}  # prefix -> [its owner file, open with a shared flock; datasets holding it]
 
 
-@contextmanager
+def hold_prefix(prefix: int, dataset) -> None:
+    """Hold a shared flock on `prefix`'s owner file while `dataset` (which registered it) lives."""
+    if prefix not in _held:
+        handle = open(OWNER_FILE.format(prefix), "a")  # noqa: SIM115 (closed by _release)
+        fcntl.flock(handle, fcntl.LOCK_SH)  # DataLoader workers forked from here hold it too
+        _held[prefix] = [handle, 0]
+    _held[prefix][1] += 1
+    weakref.finalize(dataset, _release, prefix)
+
+
+def _release(prefix: int) -> None:
+    entry = _held.get(prefix)
+    if entry is not None:
+        entry[1] -= 1
+        if entry[1] == 0:
+            entry[0].close()
+            del _held[prefix]
+
+
+def prefix_held(prefix: int) -> bool | None:
+    """Whether a live process holds `prefix` through one of our datasets; None when it has no owner
+    file (registered by something else: streaming alone, or a run of code before this)."""
+    try:
+        handle = open(OWNER_FILE.format(prefix), "r+")  # noqa: SIM115 (closed below)
+    except FileNotFoundError:
+        return None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False  # the lock goes with the handle
+
+
+@contextlib.contextmanager
+def host_lock():
+    """The host-wide lock on registering streaming prefixes (and on removing them: recipes/shm.py)."""
+    with open(PREFIX_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when closed, or when the process dies
+        yield
+
+
+@contextlib.contextmanager
 def prefix_registration_lock():
     """Held by each node's local leader while its ranks find and register a prefix."""
-    leader = World.detect().is_local_leader
-    handle = open(PREFIX_LOCK, "a") if leader else None  # noqa: SIM115 (closed below)
-    try:
-        if handle is not None:
-            fcntl.flock(handle, fcntl.LOCK_EX)  # released when closed, or when the process dies
+    with host_lock() if World.detect().is_local_leader else contextlib.nullcontext():
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()  # the other ranks probe only once their leader holds it
         yield
-    finally:
-        if handle is not None:
-            handle.close()
 
 
 class StreamingBase(StreamingDataset):
@@ -64,6 +109,7 @@ class StreamingBase(StreamingDataset):
     def __init__(self, **streaming_kwargs):
         with prefix_registration_lock():
             super().__init__(**streaming_kwargs)
+            hold_prefix(shm_prefix(self), self)
 
     def _all_local(self) -> bool:
         return all(stream.remote in (None, stream.local) for stream in self.streams)

@@ -14,12 +14,13 @@ host took that job's registration away; the next dataset then reused its prefix 
 its blocks (`FileExistsError: /000523_epoch_shape`, seen with two test workers). A killed run's
 leftovers on other folders do not block ours: streaming steps over a prefix in use.
 
-A prefix some live process still maps (its `*_locals` block in /proc/PID/maps) is not a killed run's
+A prefix some live job holds (its owner file's flock, data/streaming_base.py) is not a killed run's
 and stays: streaming lets jobs on one host share a local-only folder (no remote; a sweep of
 single-GPU runs over one /data/mds, or two test workers), and removing a live job's registration
-took its barrier away (`FileNotFoundError: /000922_barrier`, seen in the suite). Processes this user
-cannot read (another user's, another PID namespace's) are not seen; their blocks are not ours to
-unlink either (/dev/shm is sticky).
+took its barrier and resume position away (`FileNotFoundError: /000922_barrier`, seen in the
+suite). Whether some process maps a prefix's blocks proves nothing: processes that merely probed a
+prefix keep them mapped. A registration without an owner file (streaming used alone) is treated as
+before, as a killed run's.
 
 Run before this job's datasets exist, on each host's local rank 0, with the other ranks waiting.
 """
@@ -39,6 +40,7 @@ from compat.streaming import (
     registered_locals,
     shm_path,
 )
+from data.streaming_base import OWNER_FILE, host_lock, prefix_held
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")  # where POSIX shared memory lives on Linux
@@ -51,38 +53,25 @@ def _registered_locals(locals_block: Path) -> list[str]:
         return []
 
 
-def mapped_shm_names() -> set[str]:
-    """Names of the /dev/shm files that a process this user can read maps (its /proc/PID/maps)."""
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:  # exited meanwhile, or not ours to read
-            continue
-        for line in text.splitlines():
-            at = line.find(f"{SHM_DIR}/")
-            if at >= 0:
-                names.add(line[at + len(str(SHM_DIR)) + 1 :].removesuffix(" (deleted)"))
-    return names
-
-
 def remove_registrations(stale) -> list[int]:
     """Remove every streaming prefix for which `stale(registered_folders)` is true and that no live
-    process maps; returns them."""
-    removed, mapped = [], None
-    for block in sorted(SHM_DIR.glob(f"*_{LOCALS}")):
-        prefix = block.name.split("_", 1)[0]
-        if not prefix.isdigit() or not stale([os.path.abspath(f) for f in _registered_locals(block)]):
-            continue
-        mapped = mapped_shm_names() if mapped is None else mapped  # only once a candidate is found
-        if block.name in mapped:  # a live job's: it shares the folder
-            continue
-        prefix_int = int(prefix)
-        for name in SHM_TO_CLEAN:
-            (SHM_DIR / shm_path(prefix_int, name).lstrip("/")).unlink(missing_ok=True)
-        for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
-            Path(gettempdir(), shm_path(prefix_int, name)).unlink(missing_ok=True)
-        removed.append(prefix_int)
+    job holds (data/streaming_base.py `prefix_held`); returns them. Under the host-wide registration
+    lock, so no job registers meanwhile."""
+    removed = []
+    with host_lock():
+        for block in sorted(SHM_DIR.glob(f"*_{LOCALS}")):
+            prefix = block.name.split("_", 1)[0]
+            if not prefix.isdigit() or not stale([os.path.abspath(f) for f in _registered_locals(block)]):
+                continue
+            prefix_int = int(prefix)
+            if prefix_held(prefix_int):  # a live job's: it shares the folder
+                continue
+            for name in SHM_TO_CLEAN:
+                (SHM_DIR / shm_path(prefix_int, name).lstrip("/")).unlink(missing_ok=True)
+            for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
+                Path(gettempdir(), shm_path(prefix_int, name)).unlink(missing_ok=True)
+            Path(OWNER_FILE.format(prefix_int)).unlink(missing_ok=True)
+            removed.append(prefix_int)
     return removed
 
 

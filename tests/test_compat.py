@@ -69,6 +69,7 @@ RELIED_ON = [
     ("streaming.base.world:World", "detect", ()),
     ("streaming.base.world:World", "detect_workers", ()),
     ("streaming.base.world:World", "is_local_leader", ASSIGNED),
+    ("streaming:StreamingDataset", "_shm_prefix_int", ASSIGNED),
     ("streaming:StreamingDataset", "_unique_rank_world", ASSIGNED),
     ("streaming:StreamingDataset", "_parallel_rank_world", ASSIGNED),
     ("streaming:StreamingDataset", "_unique_worker_world", ASSIGNED),
@@ -164,7 +165,8 @@ def broken(where: str, name: str, what) -> str | None:
     except Exception as err:  # noqa: BLE001 - any failure to import is the report
         return f"cannot import {where}: {type(err).__name__}: {err}"
     if what == ASSIGNED:
-        assignment = re.compile(rf"(?:\.|^\s*){re.escape(name)}\s*(?::[^=\n]+)?=(?!=)", re.M)
+        # `.name = `, `.name: T = ` or a tuple target, `.name, .other = `
+        assignment = re.compile(rf"(?:\.|^\s*){re.escape(name)}\s*(?::[^=\n]+|,[^=\n]+)?=(?!=)", re.M)
         if not any(assignment.search(source) for source in _sources(owner)):
             return "no longer assigned there"
         return None

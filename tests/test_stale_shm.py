@@ -5,6 +5,7 @@ with SIGKILL never unregisters it. Here `remote` is a plain folder (streaming co
 as it would from a bucket), so the test needs no server.
 """
 
+import os
 import signal
 import subprocess
 import sys
@@ -96,32 +97,48 @@ def test_startup_leaves_a_live_jobs_registration_alone(shapes_mds, tmp_path):
 
 
 HOLD = """
-import sys
-from streaming import StreamingDataset
-dataset = StreamingDataset(local=sys.argv[1], batch_size=1)  # local only: jobs may share the folder
-print("registered", flush=True)
-sys.stdin.readline()  # until the test has started its run beside this one
+import os, signal, sys
+from compat.streaming import shm_prefix
+from data.streaming_base import StreamingBase
+dataset = StreamingBase(local=sys.argv[1], batch_size=1)  # local only: jobs may share the folder
+print(f"{shm_prefix(dataset):06d}", flush=True)
+if sys.stdin.readline() == "die\\n":
+    os.killpg(0, signal.SIGKILL)  # the whole group, python's resource tracker too: nothing cleans up
 dataset[0]
 print("read", flush=True)
 """
 
 
-def test_a_live_job_sharing_the_folder_keeps_its_registration(shapes_mds):
+def _hold(folder: Path) -> subprocess.Popen:
+    command = [sys.executable, "-c", HOLD, str(folder)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+
+
+def test_a_live_job_sharing_the_folder_keeps_its_registration_a_killed_one_does_not(shapes_mds):
     """Streaming lets jobs on one host share a local-only folder (a sweep over one dataset; the test
     workers over shapes_mds): a run starting beside a live one on the same folder removes nothing of
-    it, and the live job reads on."""
+    it, and the live job reads on; the same job killed leaves a registration the next start removes."""
     from recipes.shm import clean_shared_memory
 
     folder = shapes_mds / "mds"
-    command = [sys.executable, "-c", HOLD, str(folder)]
-    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as live:
-        try:
-            assert live.stdout.readline() == "registered\n"
-            prefixes = {p for p in _prefixes_naming(folder)}  # the live job's, and any other worker's
-            assert prefixes
+    for fate in ("go", "die"):
+        with _hold(folder) as job:
+            try:
+                prefix = job.stdout.readline().strip()
+                assert prefix in _prefixes_naming(folder)
+                if fate == "go":
+                    clean_shared_memory([str(folder)])
+                    assert prefix in _prefixes_naming(folder)  # alive: left alone
+                out, _ = job.communicate(f"{fate}\n", timeout=120)
+            finally:
+                if job.poll() is None:
+                    os.killpg(job.pid, signal.SIGKILL)
+        if fate == "go":
+            assert job.returncode == 0 and out == "read\n", out
+        else:
+            assert job.returncode == -signal.SIGKILL and prefix in _prefixes_naming(folder)
             clean_shared_memory([str(folder)])
-            assert prefixes <= set(_prefixes_naming(folder))
-            out, _ = live.communicate("go\n", timeout=120)
-        finally:
-            live.kill()
-    assert live.returncode == 0 and out == "read\n", out
+            assert prefix not in _prefixes_naming(folder)  # killed: removed
