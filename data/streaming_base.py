@@ -48,13 +48,21 @@ from compat.streaming import World, epoch_sample_ids, shm_prefix, stop_epoch_thr
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PREFIX_LOCK = os.path.join(SHM_DIR, "sd-recipes-streaming-prefix.lock")
 OWNER_FILE = os.path.join(SHM_DIR, "sd-recipes-prefix-{:06d}.owner")
-_held: dict[int, list] = {}  # prefix -> [its owner file, open with a shared flock; datasets holding it]
+# prefix -> [its owner file, open with a shared flock; datasets holding it]. Owner files stay (empty)
+# when released, as streaming's lock files do: one per prefix number, and prefixes are reused.
+_held: dict[int, list] = {}
+
+
+def _lock_file(path: str):
+    """`path` opened read-only, created if missing: flock needs no write access, so another user's
+    job can lock a file this one created (0644 under the usual umask)."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o666))
 
 
 def hold_prefix(prefix: int, dataset) -> None:
     """Hold a shared flock on `prefix`'s owner file while `dataset` (which registered it) lives."""
     if prefix not in _held:
-        handle = open(OWNER_FILE.format(prefix), "a")  # noqa: SIM115 (closed by _release)
+        handle = _lock_file(OWNER_FILE.format(prefix))
         fcntl.flock(handle, fcntl.LOCK_SH)  # DataLoader workers forked from here hold it too
         _held[prefix] = [handle, 0]
     _held[prefix][1] += 1
@@ -74,9 +82,11 @@ def prefix_held(prefix: int) -> bool | None:
     """Whether a live process holds `prefix` through one of our datasets; None when it has no owner
     file (registered by something else: streaming alone, or a run of code before this)."""
     try:
-        handle = open(OWNER_FILE.format(prefix), "r+")  # noqa: SIM115 (closed below)
+        handle = open(OWNER_FILE.format(prefix))  # noqa: SIM115 (closed below)
     except FileNotFoundError:
         return None
+    except PermissionError:  # another user's job: not ours to judge (nor to unlink)
+        return True
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -88,7 +98,7 @@ def prefix_held(prefix: int) -> bool | None:
 @contextlib.contextmanager
 def host_lock():
     """The host-wide lock on registering streaming prefixes (and on removing them: recipes/shm.py)."""
-    with open(PREFIX_LOCK, "a") as handle:
+    with _lock_file(PREFIX_LOCK) as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # released when closed, or when the process dies
         yield
 
