@@ -29,9 +29,10 @@ from torchvision.utils import save_image
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from models.checkpoint_file import CheckpointError, check_checkpoint_file, one_line_errors
-from models.export import README, add_weight_args, load_model_from_checkpoint
+from models.export import add_weight_args, load_model_from_checkpoint
 from models.mmdit import RectifiedFlowTransformer
 from models.record import model_family
+from models.sd3_folder import README
 from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import SAMPLERS, StableDiffusion
 
