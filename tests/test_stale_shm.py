@@ -14,6 +14,7 @@ from tempfile import gettempdir
 
 import pytest
 
+from data.streaming_base import host_lock
 from recipes import build_trainer, load_config
 from recipes.shm import SHM_DIR, _registered_locals
 from tests.conftest import REPO, TINY_TEST
@@ -26,7 +27,9 @@ pytestmark = [
 OPEN_AND_DIE = """
 import os, signal, sys
 from streaming import StreamingDataset
-dataset = StreamingDataset(remote=sys.argv[1], local=sys.argv[2], batch_size=1)
+from data.streaming_base import host_lock
+with host_lock():  # streaming alone races other jobs for a free prefix (see OPEN)
+    dataset = StreamingDataset(remote=sys.argv[1], local=sys.argv[2], batch_size=1)
 dataset[0]  # registered and reading
 os.killpg(0, signal.SIGKILL)  # the whole group, python's resource tracker too: nothing cleans up
 """
@@ -34,13 +37,22 @@ os.killpg(0, signal.SIGKILL)  # the whole group, python's resource tracker too: 
 OPEN = """
 import sys
 from streaming import StreamingDataset
-StreamingDataset(remote=sys.argv[1], local=sys.argv[2], batch_size=1)
+from data.streaming_base import host_lock
+with host_lock():
+    StreamingDataset(remote=sys.argv[1], local=sys.argv[2], batch_size=1)
 """
+# Streaming alone finds a free prefix and then creates it, two steps: a plain StreamingDataset made
+# while the other test worker registers one may pick the same number and fail (seen: FileExistsError
+# '/001754_locals'). Our datasets register under this host lock (data/streaming_base.py), so the
+# tests' plain datasets, standing for another job, take it too.
 
 
 def _python(code: str, *args) -> subprocess.CompletedProcess:
     command = [sys.executable, "-c", code, *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, start_new_session=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=300, start_new_session=True, env=env
+    )
 
 
 def _prefixes_naming(folder: Path) -> list[str]:
@@ -89,7 +101,8 @@ def test_startup_leaves_a_live_jobs_registration_alone(shapes_mds, tmp_path):
 
     from recipes.shm import clean_shared_memory
 
-    live = StreamingDataset(remote=str(shapes_mds / "mds"), local=str(tmp_path / "live"), batch_size=1)
+    with host_lock():  # see OPEN
+        live = StreamingDataset(remote=str(shapes_mds / "mds"), local=str(tmp_path / "live"), batch_size=1)
     (prefix,) = _prefixes_naming(tmp_path / "live")
     clean_shared_memory([str(tmp_path / "other")])
     assert _prefixes_naming(tmp_path / "live") == [prefix]
