@@ -1,5 +1,5 @@
-"""Resume with save_folder on s3:// (the SeaweedFS test server): a run killed with SIGKILL three
-times at random batches, restarted each time with the same command, resumes right after the newest
+"""Resume with save_folder on s3:// (the SeaweedFS test server): a run killed with SIGKILL twice at
+random batches, restarted each time with the same command, resumes right after the newest
 checkpoint in the bucket (recipes/resume.py), writes nothing in its working directory and ends
 bitwise identical to an uninterrupted run. Its data are read from the bucket too, through a cache
 that starts empty.
@@ -61,23 +61,24 @@ def _run_until_logged(cmd, cwd, env, loss_log, batch, delay, timeout=300) -> lis
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_three_kills_each_restart_resumes_from_the_newest_checkpoint_in_the_bucket(
+def test_two_kills_each_restart_resumes_from_the_newest_checkpoint_in_the_bucket(
     s3_server,  # noqa: F811
     reference_run,
     shapes_mds,
     tmp_path,
 ):
     """A run reading its data from S3 through an empty cache and saving its checkpoints there,
-    killed three times. Composer 0.32.1's own autoresume went back in time on the second restart (it
+    killed twice. Composer 0.32.1's own autoresume went back in time on the second restart (it
     preferred the `./s3:/...` copy the first restart left in the working directory) and lagged the
     bucket by the 30-40 s its `latest` pointer takes to upload. Here every restart must resume right
     after the newest checkpoint in the bucket, write nothing in its working directory, and the run
-    must end with the uninterrupted run's weights."""
+    must end with the uninterrupted run's weights. Two kills, so that a restart follows a restart
+    (what went wrong); a third kill took another ~25 s of the suite and tested nothing new."""
     env = train_env(**s3_server.env())
     seed = int(os.environ.get("KILL_SEED") or random.randrange(2**32))
     rng = random.Random(seed)
-    first = rng.randint(2, 3)
-    kills = [first, rng.randint(first + 2, 5), rng.randint(6, BATCHES - 1)]
+    first = rng.randint(2, 4)
+    kills = [first, rng.randint(first + 2, BATCHES - 1)]
     delays = [rng.uniform(0.0, 0.3) for _ in kills]  # after each kill batch is logged
     why = f"killed at batches {kills}, {[round(d, 3) for d in delays]} s after; repeat with KILL_SEED={seed}"
     prefix = f"resume3-{tmp_path.name}/ckpt"
