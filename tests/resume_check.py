@@ -20,12 +20,14 @@ from tests.conftest import REPO, TINY_TEST
 
 BATCHES = 8  # 64 samples / 16 per batch = 4 batches an epoch: kills land mid- and across epochs
 COMPOSER = str(REPO / ".venv/bin/composer") if (REPO / ".venv/bin/composer").exists() else "composer"
+# `composer -n N` without importing Composer in the launcher (tests/launch.py says where the real one runs).
+LAUNCH = [sys.executable, str(REPO / "tests/launch.py")]
 
 
 def train_command(nproc: int, out: Path, shapes_mds: Path, *extra: str, save_folder=None) -> list[str]:
     """tests/dist_train.py (train.py plus saving each rank's final UNet and EMA weights) on the tiny
     recipe, saving every batch, with the loss and sample-key logs the tests compare."""
-    launcher = [sys.executable] if nproc == 1 else [COMPOSER, "-n", str(nproc)]
+    launcher = [sys.executable] if nproc == 1 else [*LAUNCH, "-n", str(nproc)]
     return [
         *launcher,
         str(REPO / "tests/dist_train.py"),
@@ -106,7 +108,8 @@ def assert_same_run(reference: Path, resumed: Path, why: str) -> None:
 
 
 def composer_run(nproc: int, args: list[str], logs: Path) -> subprocess.CompletedProcess:
-    """`composer -n nproc ARGS` from the repo root, each rank's output in logs/r{rank}.out|err."""
+    """`composer -n nproc ARGS` (tests/launch.py) from the repo root, the output of ranks 1.. in
+    logs/r{rank}.out|err."""
     logs_args = ["--stdout", str(logs / "r{rank}.out"), "--stderr", str(logs / "r{rank}.err")]
-    cmd = [COMPOSER, "-n", str(nproc), *logs_args, *args]
+    cmd = [*LAUNCH, "-n", str(nproc), *logs_args, *args]
     return run(cmd, REPO, train_env(HF_HUB_OFFLINE="1"))

@@ -13,7 +13,7 @@ from PIL import Image
 from evaluation import evaluate, extractors
 from evaluation.image_metrics import KEYS, fid, kid
 from tests.conftest import REPO
-from tests.resume_check import COMPOSER, train_env
+from tests.resume_check import LAUNCH, train_env
 
 # 24 captions, 3 batches of 8, two guidance scales: 48 images of 32 px.
 ARGS = ["--num-captions", "24", "--guidance", "1", "4", "--steps", "6", "--seed", "0", "--batch-size", "8"]
@@ -71,7 +71,7 @@ def images(folder) -> dict[str, bytes]:
 
 def launch(source, data, out, nproc: int = 2) -> subprocess.Popen:
     command = [
-        COMPOSER,
+        *LAUNCH,
         "-n",
         str(nproc),
         "-m",

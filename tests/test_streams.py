@@ -214,7 +214,7 @@ def test_two_streams_are_drawn_in_their_proportions(shapes_mds, bucketed_mds, tm
 
 
 def test_two_processes_see_the_same_bucketed_batches_as_one(bucketed_mds, straight_bucketed_run, tmp_path):
-    from tests.resume_check import COMPOSER, run, train_env
+    from tests.resume_check import LAUNCH, run, train_env
 
     overrides = _overrides(
         "global_train_batch_size=8",
@@ -224,7 +224,7 @@ def test_two_processes_see_the_same_bucketed_batches_as_one(bucketed_mds, straig
         f"+callbacks.keys={{_target_: tests.probes.KeyLog, path: {tmp_path / 'keys.jsonl'}}}",
         *_bucketed(bucketed_mds),
     )
-    cmd = [COMPOSER, "-n", "2", str(REPO / "train.py"), str(REPO / "yamls/tiny-cpu.yaml"), *overrides]
+    cmd = [*LAUNCH, "-n", "2", str(REPO / "train.py"), str(REPO / "yamls/tiny-cpu.yaml"), *overrides]
     result = run(cmd, REPO, train_env(), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     one = read_key_log(straight_bucketed_run / "keys.jsonl")

@@ -1,0 +1,65 @@
+"""tests/launch.py, the tests' stand-in for `composer -n N`: each rank gets Composer's environment, and
+one failing rank ends the launch with its code, the others stopped and its error shown."""
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from tests.resume_check import COMPOSER, LAUNCH
+
+pytestmark = pytest.mark.subprocess
+
+RANK = """
+import json, os, sys, time
+keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+with open(os.path.join(sys.argv[1], f"env{os.environ['RANK']}.json"), "w") as f:
+    json.dump({k: os.environ[k] for k in keys}, f)
+if sys.argv[2] == os.environ["RANK"]:
+    sys.exit("rank " + os.environ["RANK"] + " failed")
+if sys.argv[2] != "none":
+    time.sleep(120)  # stopped by the launcher
+"""
+
+
+def _launch(tmp_path, fail: str, launcher=tuple(LAUNCH)) -> tuple[subprocess.CompletedProcess, float]:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    start = time.monotonic()
+    command = [*launcher, "-n", "2", str(script), str(tmp_path), fail]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    return result, time.monotonic() - start
+
+
+def _envs(folder) -> list[dict]:
+    return [json.loads((folder / f"env{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_each_rank_gets_composers_environment(tmp_path):
+    """The same as under Composer's own launcher (run here too, so that an upgrade that changes it
+    shows), but for the port, a free one each time."""
+    (ours := tmp_path / "ours").mkdir()
+    (composers := tmp_path / "composer").mkdir()
+    for folder, launcher in ((ours, LAUNCH), (composers, [COMPOSER])):
+        result, _ = _launch(folder, "none", launcher)
+        assert result.returncode == 0, result.stderr
+    envs = _envs(ours)
+    port = envs[0]["MASTER_PORT"]
+    assert [{**env, "MASTER_PORT": port} for env in _envs(composers)] == envs
+    for rank, env in enumerate(envs):
+        assert env == {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "NODE_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+
+
+def test_a_failing_rank_ends_the_launch_and_shows_its_error(tmp_path):
+    result, seconds = _launch(tmp_path, "1")
+    assert result.returncode == 1 and seconds < 30, (result.returncode, seconds)  # rank 0 slept 120 s
+    assert "rank 1 failed" in result.stderr
