@@ -47,10 +47,7 @@ from compat.streaming import World, epoch_sample_ids, shm_prefix, stop_epoch_thr
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PREFIX_LOCK = os.path.join(SHM_DIR, "sd-recipes-streaming-prefix.lock")
-OWNER_FILE = os.path.join(SHM_DIR, "sd-recipes-prefix-{:06d}.owner")
-# prefix -> [its owner file, open with a shared flock; datasets holding it]. Owner files stay (empty)
-# when released, as streaming's lock files do: one per prefix number, and prefixes are reused.
-_held: dict[int, list] = {}
+OWNER_FILE = os.path.join(SHM_DIR, "sd-recipes-prefix-{:06d}.owner")  # stays, empty, when released
 
 
 def _lock_file(path: str):
@@ -60,22 +57,12 @@ def _lock_file(path: str):
 
 
 def hold_prefix(prefix: int, dataset) -> None:
-    """Hold a shared flock on `prefix`'s owner file while `dataset` (which registered it) lives."""
-    if prefix not in _held:
-        handle = _lock_file(OWNER_FILE.format(prefix))
-        fcntl.flock(handle, fcntl.LOCK_SH)  # DataLoader workers forked from here hold it too
-        _held[prefix] = [handle, 0]
-    _held[prefix][1] += 1
-    weakref.finalize(dataset, _release, prefix)
-
-
-def _release(prefix: int) -> None:
-    entry = _held.get(prefix)
-    if entry is not None:
-        entry[1] -= 1
-        if entry[1] == 0:
-            entry[0].close()
-            del _held[prefix]
+    """Hold a shared flock on `prefix`'s owner file while `dataset` (which registered it) lives. Each
+    dataset opens its own handle: shared flocks on one file coexist, and the lock ends when the
+    dataset's handle is closed or its process dies."""
+    handle = _lock_file(OWNER_FILE.format(prefix))
+    fcntl.flock(handle, fcntl.LOCK_SH)  # DataLoader workers forked from here hold it too
+    weakref.finalize(dataset, handle.close)
 
 
 def prefix_held(prefix: int) -> bool | None:
