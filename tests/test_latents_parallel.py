@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from convert.latents import _pixels, load_encoders
+from convert.encoders import load_encoders
+from convert.latents import _pixels
 from data.buckets import bucket_size
 from tests.conftest import REPO, shared_folder
 from tests.convert_fixtures import encode, photo, read_mds, run_cli

@@ -13,7 +13,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 from torch.utils.data import default_collate
 
 from convert.common import ConvertError
-from convert.latents import columns, convert_latents, has_t5, load_encoders, pixel_sizes, preset_columns
+from convert.encoders import has_t5, load_encoders
+from convert.latents import columns, convert_latents, pixel_sizes, preset_columns
 from data.latent_dataset import LatentsDataset
 from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader
 from models import build_model

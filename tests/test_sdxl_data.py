@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import default_collate
 
 from convert.common import BASE_COLUMNS
+from convert.encoders import load_encoders
 from convert.images import ImageOptions, prepare_image_sized
-from convert.latents import load_encoders
 from convert.mds import write_mds
 from data.image_caption import ImageCaptionDataset, cover_crop
 from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader
