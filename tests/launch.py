@@ -44,17 +44,17 @@ def launch(args) -> tuple[list[subprocess.Popen], list[str]]:
     """The ranks, and the files ranks 1.. write their stderr to."""
     port, ranks, errors = free_port(), [], []
     command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
-    logs = tempfile.mkdtemp(prefix="tests-launch-")
+    logs = None  # a folder for the output that --stdout/--stderr do not place, made if needed
     for rank in range(args.nproc):
-        # Rank 0 writes to this process's streams and the others to files, as under Composer.
-        fields = {"rank": rank, "local_rank": rank, "world_size": args.nproc, "node_rank": 0}
-        out = args.stdout or os.path.join(logs, "rank{rank}.stdout.txt")
-        err = args.stderr or os.path.join(logs, "rank{rank}.stderr.txt")
         streams = {}
-        if rank > 0:
-            streams["stdout"] = open(out.format(**fields), "a")  # noqa: SIM115 (the rank owns it)
-            streams["stderr"] = open(err.format(**fields), "a")  # noqa: SIM115
-            errors.append(err.format(**fields))
+        if rank > 0:  # rank 0 writes to this process's streams and the others to files, as under Composer
+            fields = {"rank": rank, "local_rank": rank, "world_size": args.nproc, "node_rank": 0}
+            if not (args.stdout and args.stderr) and logs is None:
+                logs = tempfile.mkdtemp(prefix="tests-launch-")
+            out = (args.stdout or os.path.join(logs, "rank{rank}.stdout.txt")).format(**fields)
+            err = (args.stderr or os.path.join(logs, "rank{rank}.stderr.txt")).format(**fields)
+            streams = {"stdout": open(out, "a"), "stderr": open(err, "a")}  # noqa: SIM115 (the rank's)
+            errors.append(err)
         ranks.append(subprocess.Popen(command, env=rank_env(rank, args.nproc, port), **streams))
     return ranks, errors
 
