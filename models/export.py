@@ -30,9 +30,16 @@ for sd3-medium, 8 for mmdit-tiny), zeros when there is no T5, which the transfor
 (its context embedder turns them into its bias), so the pipeline's default of 256 gives other
 images. OUT_DIR/README.md says both and the shift (its front matter's `max_sequence_length` is what
 models.generate reads back), and the export logs them.
+
+OUT_DIR must be new or empty: a folder holding anything else (another pipeline, whose stale
+text_encoder_2/ would make the result load as SDXL) is refused before the checkpoint is read. The
+folder is written beside OUT_DIR under a temporary name and renamed into place when complete, so a
+failed or killed export leaves no half-written OUT_DIR.
 """
 
 import argparse
+import contextlib
+import errno
 import functools
 import logging
 from pathlib import Path
@@ -45,6 +52,7 @@ from diffusers import (
     StableDiffusionXLPipeline,
 )
 
+from common.atomic import atomic_path
 from compat.transformers import init_empty_weights
 from models.build import MODEL_CLASSES, bundled_tokenizers
 from models.checkpoint_file import (
@@ -242,17 +250,63 @@ def _lora_model(path, record: dict, weights: dict) -> StableDiffusion:
     return model.eval()
 
 
+def check_out_dir(out_dir: str | Path) -> Path:
+    """`out_dir` is new or an empty folder: an export never merges into, or replaces, what is there
+    (FileExistsError, one line, otherwise)."""
+    out_dir = Path(out_dir)
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        raise FileExistsError(f"{out_dir} is a file, not a folder: give a new or empty folder to export into")
+    if out_dir.is_dir():
+        held = sorted(p.name for p in out_dir.iterdir())
+        if held:
+            shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise FileExistsError(
+                f"{out_dir} is not empty (it holds {shown}): export into a new or empty folder; "
+                "nothing there was changed"
+            )
+    return out_dir
+
+
+class WriteError(OSError):
+    """Writing the export failed (the message is one line; nothing is left at OUT_DIR)."""
+
+
+@contextlib.contextmanager
+def _written_into_place(out_dir: Path):
+    """A temporary sibling of `out_dir` to write, renamed onto it when complete (common.atomic)."""
+    check_out_dir(out_dir)
+    try:
+        with atomic_path(out_dir, existing="replace") as tmp:
+            yield tmp
+    except OSError as error:
+        if error.errno in (errno.ENOTEMPTY, errno.EEXIST):  # the rename: the folder was filled meanwhile
+            raise FileExistsError(
+                f"{out_dir} was filled by something else during the export: nothing was written to it; "
+                "export into a new or empty folder"
+            ) from error
+        # A full disk, a permission: one line, and (atomic_path removed the partial copy) no OUT_DIR.
+        raise WriteError(f"writing {out_dir}: {error}; nothing was written there") from error
+
+
 def export_pipeline(model: StableDiffusion | RectifiedFlowTransformer, out_dir: str | Path) -> Path:
     """Write `model` as a diffusers StableDiffusionPipeline folder (safetensors weights); an SDXL
     model as a StableDiffusionXLPipeline folder, an mmdit model as a StableDiffusion3Pipeline folder
-    with a README.md that says its max_sequence_length."""
+    with a README.md that says its max_sequence_length. `out_dir` must be new or empty (check_out_dir);
+    it appears only once complete."""
     out_dir = Path(out_dir)
+    with _written_into_place(out_dir) as tmp:
+        _write_pipeline(model, tmp, out_dir)
+    return out_dir
+
+
+def _write_pipeline(model, folder: Path, out_dir: Path) -> None:
+    """The pipeline's files into `folder` (a temporary name for `out_dir`, which the log names)."""
     # The pipeline decodes with vae.config.scaling_factor; the model with its own latent_scale.
     model.vae.register_to_config(scaling_factor=float(model.latent_scale))
     pipeline_class = PIPELINES[model_family(model)]
     if pipeline_class is StableDiffusion3Pipeline:
-        save_sd3_folder(model, out_dir)
-        return out_dir
+        save_sd3_folder(model, folder, shown_as=out_dir)
+        return
     parts = dict(
         vae=model.vae,
         text_encoder=model.text_encoder,
@@ -275,9 +329,8 @@ def export_pipeline(model: StableDiffusion | RectifiedFlowTransformer, out_dir: 
         pipeline = pipeline_class(
             **parts, safety_checker=None, feature_extractor=None, requires_safety_checker=False
         )
-    pipeline.save_pretrained(out_dir, safe_serialization=True)
+    pipeline.save_pretrained(folder, safe_serialization=True)
     log.info("wrote a %s to %s", pipeline_class.__name__, out_dir)
-    return out_dir
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -321,11 +374,12 @@ def add_weight_args(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    with one_line_errors(PROG):
+    with one_line_errors(PROG, FileExistsError, WriteError):
         export(args)
 
 
 def export(args: argparse.Namespace) -> None:
+    check_out_dir(args.out_dir)  # in milliseconds, before a checkpoint of gigabytes is read
     model = load_model_from_checkpoint(
         args.checkpoint, args.ema, preset=args.preset, prediction_type=args.prediction_type
     )
@@ -336,7 +390,9 @@ def export(args: argparse.Namespace) -> None:
             )
     elif args.lora:
         pipeline_class = PIPELINES[model_family(model)]
-        out_dir = save_lora(model.denoiser, args.out_dir, pipeline_class)
+        out_dir = Path(args.out_dir)
+        with _written_into_place(out_dir) as tmp:
+            save_lora(model.denoiser, tmp, pipeline_class)
         print(f"LoRA weights: {out_dir.resolve()} ({pipeline_class.__name__}.load_lora_weights loads it)")
         return
     elif args.merge_lora:

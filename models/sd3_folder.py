@@ -14,8 +14,10 @@ log = logging.getLogger(__name__)
 README = "README.md"  # the model card: the max_sequence_length to call the pipeline with
 
 
-def save_sd3_folder(model: RectifiedFlowTransformer, out_dir: Path) -> None:
-    """A StableDiffusion3Pipeline folder of an mmdit model, and its README.md."""
+def save_sd3_folder(model: RectifiedFlowTransformer, out_dir: Path, shown_as: Path | None = None) -> None:
+    """A StableDiffusion3Pipeline folder of an mmdit model, and its README.md. `shown_as`: the name
+    the log gives the folder (models.export writes under a temporary name, then renames)."""
+    shown_as = shown_as or out_dir
     # The pipeline decodes latents / scaling_factor + shift_factor: the model's unscale_latents.
     model.vae.register_to_config(shift_factor=float(model.latent_shift))
     # The training run's flow-matching sampler with the shift it trained with at the model's native
@@ -45,12 +47,12 @@ def save_sd3_folder(model: RectifiedFlowTransformer, out_dir: Path) -> None:
         "wrote a StableDiffusion3Pipeline to %s: load it with StableDiffusion3Pipeline.from_pretrained(%s) "
         "and call it with max_sequence_length=%d (the model's t5_tokens; the default 256 samples other "
         "images); its scheduler's shift is %g, %s; as %s says",
-        out_dir,
+        shown_as,
         "folder" if model.text_encoder_3 is not None else "folder, text_encoder_3=None, tokenizer_3=None",
         model.t5_tokens,
         scheduler.config.shift,
         shift_origin(model),
-        out_dir / README,
+        shown_as / README,
     )
 
 
