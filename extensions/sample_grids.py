@@ -35,6 +35,7 @@ from torchvision.utils import save_image
 
 from extensions.callbacks import preserved_rng
 from extensions.ema import find_ema
+from models.cli_checks import check_guidance, check_size
 from models.generate import sample_grid, sampler_for
 from models.stable_diffusion import SAMPLERS
 
@@ -67,6 +68,10 @@ class SampleGrids(Callback):
         self.resolution = resolution
         self.prompts, self.per_prompt, self.seed = list(prompts), per_prompt, seed
         scales = [guidance] if isinstance(guidance, int | float) else guidance
+        for scale in scales:
+            if isinstance(scale, bool) or not isinstance(scale, int | float):
+                raise ValueError(f"guidance={scale!r} must be a number (a list of them for several rows)")
+            check_guidance("guidance", float(scale))  # a ValueError whose message starts guidance=
         self.guidance = [float(g) for g in scales]
         self.steps, self.sampler, self.folder = steps, sampler, folder
         self._due = create_interval_scheduler(
@@ -80,6 +85,7 @@ class SampleGrids(Callback):
         self.folder = Path(self.folder or _default_folder(state))
         # None: the family's own (ddim for a UNet, euler for an mmdit model); one it has not is an error.
         self.sampler = sampler_for(_unwrapped(state), self.sampler)
+        check_size("resolution", self.resolution, _unwrapped(state))  # sampling would round it down
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._due(state, Event.BATCH_END):

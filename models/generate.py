@@ -9,6 +9,11 @@ j differs between rows only by the prompt, and a prompt's row does not depend on
 --ema/--raw, --preset and --prediction-type say how to read a checkpoint; a folder carries its own.
 The sampler defaults to the model family's: DDIM for SD and SDXL, flow-matching Euler steps (the only
 one) for an mmdit model, whose checkpoints and StableDiffusion3Pipeline folders both load here.
+
+Numbers out of range are one line before the model loads (--steps and --n-per-prompt at least 1,
+--guidance finite and >= 0, --guidance-rescale in [0, 1]); --height and --width must be multiples of
+the model's VAE factor (times the patch size for an mmdit model), checked once it has loaded and
+before any sampling: the line names the nearest valid sizes, where sampling would silently round.
 """
 
 import argparse
@@ -29,6 +34,13 @@ from torchvision.utils import save_image
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from models.checkpoint_file import CheckpointError, check_checkpoint_file, one_line_errors
+from models.cli_checks import (
+    UsageError,
+    check_count,
+    check_guidance,
+    check_guidance_rescale,
+    check_sampling_args,
+)
 from models.export import add_weight_args, load_model_from_checkpoint
 from models.mmdit import RectifiedFlowTransformer
 from models.record import model_family
@@ -239,18 +251,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_weight_args(parser)
-    args = parser.parse_args(argv)
-    if args.n_per_prompt < 1 or args.steps < 1:  # before the model loads, not after
-        parser.error("--n-per-prompt and --steps must be >= 1")
-    return args
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The numbers' ranges, before the model loads (UsageError)."""
+    for flag, value in (("--n-per-prompt", args.n_per_prompt), ("--steps", args.steps)):
+        check_count(flag, value)
+    for flag, value in (("--height", args.height), ("--width", args.width)):
+        check_count(flag, value)  # 0 would silently mean the model's size
+    check_guidance("--guidance", args.guidance)
+    check_guidance_rescale("--guidance-rescale", args.guidance_rescale)
+    out = Path(args.out)
+    if out.suffix.lower() != ".png" or out.is_dir():  # found by save_image only after the sampling
+        raise UsageError(f"--out {out}: give a .png file to write the grid to")
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    with one_line_errors(PROG, SamplerError):
+    with one_line_errors(PROG, SamplerError, UsageError):
+        check_args(args)
         model = load_model(args.source, args.ema, preset=args.preset, prediction_type=args.prediction_type)
         sampler = sampler_for(model, args.sampler)
+        sizes = {"--height": args.height, "--width": args.width}
+        check_sampling_args(model, sizes, ("--guidance-rescale", args.guidance_rescale))
     model.to(args.device)
     images = sample_grid(
         model,
