@@ -22,6 +22,12 @@ resolution to the model's native size; checkpoints and exported folders of every
 e.g. COCO-2014 val written by `sd-convert coco` (an mmdit model samples with its Euler steps).
 `--extractors tiny`: random stand-in networks (evaluation/extractors.py) for tests and the CPU demo;
 their numbers are not comparable to papers'.
+
+Fewer than 10 images per guidance scale (--num-captions, or the rows of --data) are refused before
+anything loads or samples (evaluation/image_metrics.py says why); rows on fewer images than the usual
+protocol's minimums are marked `small_n` in metrics.json and with a footnote in metrics.md. Numbers out
+of range (--guidance below 0, --steps 0, ...) and a --resolution that is not a multiple of the model's
+VAE factor (x the patch size for an mmdit model) are one line before any sampling, too.
 """
 
 import argparse
@@ -40,92 +46,21 @@ from tqdm import tqdm
 
 from common.atomic import atomic_path, atomic_write_bytes
 from compat.composer import torch_device as compat_torch_device
-from evaluation import extractors
-from evaluation.image_metrics import scores, write_report
+from evaluation import arguments, extractors
+from evaluation.arguments import check_inputs, data_location
+from evaluation.image_metrics import scores, too_few, write_report
 from models.checkpoint_file import one_line_errors
-from models.export import add_weight_args
-from models.generate import SamplerError, check_source, load_model, sampler_for
-from models.stable_diffusion import SAMPLERS
+from models.cli_checks import UsageError, check_sampling_args
+from models.generate import SamplerError, load_model, sampler_for
 
 log = logging.getLogger("evaluation.evaluate")  # not "__main__" under python -m
 
-# sampler None: the model family's (models.generate.sampler_for); resolution None: the model's size.
-DEFAULTS = dict(n=30_000, guidance=[8.0], steps=50, sampler=None, resolution=None, seed=2023)
-PROTOCOLS = {  # MLPerf Training v4.x, stable_diffusion reference (mlcommons/training)
-    "mlperf": dict(DEFAULTS, resolution=512, targets={"fid": 90.0, "clip_score": 0.15}),
-}
 SAMPLE_COLUMNS = 8  # images per guidance scale in samples.png
 PROG = "python -m evaluation.evaluate"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("source", help="a Composer checkpoint file or an exported pipeline folder")
-    parser.add_argument("--data", required=True, help="MDS image-caption set: a folder or s3://... URL")
-    parser.add_argument("--out", required=True, type=Path, help="folder for images and metrics")
-    parser.add_argument("--protocol", choices=sorted(PROTOCOLS), help="a published protocol's settings")
-    parser.add_argument(
-        "--n",
-        "--num-captions",
-        dest="n",
-        type=int,
-        help=f"captions to sample (default {DEFAULTS['n']}); under composer -n write --num-captions "
-        "(composer's launcher takes --n as an abbreviation of its own options)",
-    )
-    parser.add_argument("--guidance", type=float, nargs="+", help="guidance scales (default 8)")
-    parser.add_argument("--steps", type=int, help=f"sampling steps (default {DEFAULTS['steps']})")
-    parser.add_argument(
-        "--sampler", choices=sorted(SAMPLERS), help="default: the model's (ddim; euler for an mmdit model)"
-    )
-    parser.add_argument(
-        "--guidance-rescale", type=float, help="default: 0.7 for a zero-terminal-SNR model, else 0"
-    )
-    parser.add_argument("--resolution", type=int, help="pixels (default: the model's size)")
-    parser.add_argument("--seed", type=int, help=f"row choice and noise (default {DEFAULTS['seed']})")
-    parser.add_argument("--batch-size", type=int, default=8, help="images per forward pass per process")
-    parser.add_argument("--extractors", choices=("real", "tiny"), default="real")
-    parser.add_argument("--inception-weights", help=f"torch-fidelity's {extractors.INCEPTION_FILE}")
-    parser.add_argument("--clip-model", help="open_clip weights file or folder (see --clip-arch)")
-    parser.add_argument("--clip-arch", default=extractors.CLIP_ARCH, help="open_clip architecture")
-    parser.add_argument("--caption-key", default="caption")
-    parser.add_argument("--image-key", default="image")
-    parser.add_argument("--cache", help="local cache for a remote --data (default DIR/data-cache)")
-    add_weight_args(parser)
-    args = parser.parse_args(argv)
-    settings = PROTOCOLS.get(args.protocol, DEFAULTS)
-    for key, default in settings.items():  # flags given explicitly win over the protocol
-        if getattr(args, key, None) is None:
-            setattr(args, key, default)
-    args.targets = settings.get("targets")
-    if args.n < 1 or args.steps < 1 or args.batch_size < 1:
-        parser.error("--n, --steps and --batch-size must be >= 1")
-    if args.resolution is not None and args.resolution < 1:
-        parser.error("--resolution must be >= 1")
-    return args
-
-
-def check_inputs(args) -> None:
-    """Every file the run needs is there, checked in milliseconds before anything loads: the CLIP
-    weights (4 GB for ViT-H) and the checkpoint (gigabytes for SD2) would otherwise load first and a
-    mistyped --data show only after them. Weights first, then the source, then the data."""
-    if args.extractors == "real":
-        extractors.check_weights(args.inception_weights, args.clip_model, args.clip_arch)
-    check_source(args.source, args.ema)
-    data_location(args)
-    if args.out.exists() and not args.out.is_dir():
-        raise FileNotFoundError(f"--out {args.out} is a file, not a folder")
-
-
-def data_location(args) -> tuple[str | None, str]:
-    """(remote, local) of --data; a local folder must hold an MDS index (a remote one is read when
-    the set opens: that costs a download)."""
-    remote = args.data if "://" in args.data else None
-    local = (args.cache or str(args.out / "data-cache")) if remote else args.data
-    if not remote and not (Path(local) / "index.json").is_file():
-        raise FileNotFoundError(f"--data {args.data}: no MDS index.json there")
-    return remote, local
+    return arguments.parse_args(argv, PROG, __doc__)
 
 
 def open_dataset(args):
@@ -258,10 +193,15 @@ def evaluate(args) -> list[dict] | None:
         dist.initialize_dist(device)
     rank = dist.get_global_rank()
     dataset = open_dataset(args)  # a remote set's index: seconds, where the weights below take minutes
+    if problem := too_few(min(args.n, dataset.num_samples)):
+        raise UsageError(f"--data {args.data} has {dataset.num_samples} rows: {problem}; give a larger set")
     inception = extractors.inception(args.extractors, args.inception_weights)
     clip = extractors.clip(args.extractors, args.clip_model, args.clip_arch)
     model = load_model(args.source, args.ema, preset=args.preset, prediction_type=args.prediction_type)
     args.sampler = sampler_for(model, args.sampler)  # the family's default; one it has not: an error
+    check_sampling_args(
+        model, {"--resolution": args.resolution}, ("--guidance-rescale", args.guidance_rescale)
+    )
     torch_device = compat_torch_device(device)
     model.to(torch_device), inception.to(torch_device), clip.model.to(torch_device)
     # The denoiser's native size: its latent sample_size (a UNet's, or a transformer's) in pixels.
@@ -323,7 +263,9 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     for name in ("evaluation", "models"):
         logging.getLogger(name).setLevel(logging.INFO)
     args = parse_args(argv)
-    with one_line_errors(PROG, SettingsChanged, SamplerError):  # MissingWeights is a FileNotFoundError
+    with one_line_errors(
+        PROG, SettingsChanged, SamplerError, UsageError
+    ):  # MissingWeights: FileNotFoundError
         check_inputs(args)
         return evaluate(args)
 

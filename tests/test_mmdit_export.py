@@ -401,7 +401,7 @@ def test_evaluate_an_mmdit_checkpoint_and_its_folder(mmdit, shapes_mds, tmp_path
     from evaluation import evaluate
 
     _, checkpoint, _, folder = mmdit
-    args = ["--data", str(shapes_mds / "mds"), "--num-captions", "4", "--guidance", "3", "--steps", "2"]
+    args = ["--data", str(shapes_mds / "mds"), "--num-captions", "10", "--guidance", "3", "--steps", "2"]
     args += ["--extractors", "tiny", "--seed", "0"]
     rows = {}
     for name, source in (("ckpt", checkpoint), ("folder", folder)):
@@ -410,7 +410,7 @@ def test_evaluate_an_mmdit_checkpoint_and_its_folder(mmdit, shapes_mds, tmp_path
         assert settings["sampler"] == "euler" and settings["resolution"] == 32
     assert rows["ckpt"] == [pytest.approx(r, rel=1e-6) for r in rows["folder"]]
     pngs = sorted((tmp_path / "ckpt/images/guidance-3").glob("*.png"))
-    assert len(pngs) == 4
+    assert len(pngs) == 10  # evaluation/image_metrics.py's MIN_IMAGES
     for png in pngs:
         assert png.read_bytes() == (tmp_path / "folder/images/guidance-3" / png.name).read_bytes()
     with pytest.raises(SystemExit, match="an mmdit model samples with euler"):
