@@ -97,7 +97,6 @@ def main(argv=None) -> int:
     from convert.common import ConvertError
     from convert.identity import check, record
     from convert.pipeline import convert, default_work_dir
-    from convert.report import summary_line
     from convert.storage import open_store
 
     if args.source == "latents":
@@ -126,7 +125,17 @@ def main(argv=None) -> int:
         return 130
     if args.source == "laion" and args.delete_downloads and report["complete"]:
         shutil.rmtree(work_dir / "downloads", ignore_errors=True)
+    return _finished(report)
+
+
+def _finished(report: dict) -> int:
+    """Print the summary line; 1 with an error line when the run produced nothing usable."""
+    from convert.report import run_failure, summary_line
+
     print(summary_line(report))
+    if failure := run_failure(report):
+        print(f"sd-convert: error: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -134,7 +143,6 @@ def _latents(args) -> int:
     from convert.common import ConvertError
     from convert.latents import convert_latents
     from convert.ranks import launched_group
-    from convert.report import summary_line
 
     group = launched_group()  # the ranks of composer -n N / torchrun, or this process alone
     try:
@@ -151,8 +159,7 @@ def _latents(args) -> int:
         return 130
     finally:
         group.close()
-    print(summary_line(report))
-    return 0
+    return _finished(report)
 
 
 if __name__ == "__main__":

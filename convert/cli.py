@@ -24,7 +24,8 @@ EPILOG = """examples:
   sd-convert coco --src annotations/captions_val2014.json --images val2014/ --out data/coco
 
 S3: set S3_ENDPOINT_URL for a non-AWS endpoint and the usual AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.
-Exit status: 0 when the run finished (see the summary line for failed inputs), 1 on a fatal error."""
+Exit status: 0 when the run finished (see the summary line for failed inputs), 1 on a fatal error
+or when nothing usable was made (every input failed, or every sample was skipped)."""
 
 SOURCES = {
     "folder": "images with a same-stem .txt (or .json with a caption field) next to each",

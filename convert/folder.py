@@ -45,20 +45,27 @@ def read_file(path: Path) -> bytes | str:
         return "unreadable_file"
 
 
-def read_caption(image_path: Path) -> tuple[object, dict]:
-    """(raw caption, metadata) from the image's .txt or .json; the caption is None when neither has one."""
-    meta = {}
+def read_caption(image_path: Path) -> tuple[object, dict] | str:
+    """(raw caption, metadata) from the image's .txt or .json; the caption is None when neither has one.
+    A .json that does not parse as an object is `bad_json` when it is where the caption comes from
+    (no .txt), as for img2dataset's; beside a .txt it is metadata only, and read as none."""
+    meta, problem = {}, None
     sidecar = image_path.with_suffix(".json")
     if sidecar.is_file():
         try:
             loaded = json.loads(sidecar.read_bytes())
-            meta = loaded if isinstance(loaded, dict) else {}
-        except (OSError, ValueError, UnicodeDecodeError):
-            meta = {}
+        except OSError:
+            loaded, problem = None, "unreadable_file"
+        except (ValueError, UnicodeDecodeError):
+            loaded = None
+        meta = loaded if isinstance(loaded, dict) else {}
+        problem = problem or (None if isinstance(loaded, dict) else "bad_json")
     txt = image_path.with_suffix(".txt")
     if txt.is_file():
         caption = read_file(txt)
         return (None if isinstance(caption, str) else caption), meta
+    if problem:
+        return problem
     lowered = {str(k).lower(): v for k, v in meta.items()}
     return next((lowered[f] for f in CAPTION_FIELDS if f in lowered), None), meta
 
@@ -71,7 +78,11 @@ def read_files(src: str, rel_paths: list[str]) -> Iterator[dict | Skipped]:
         if not path.is_file():
             yield Skipped(key, "not_a_file")
             continue
-        caption, meta = read_caption(path)
+        read = read_caption(path)
+        if isinstance(read, str):
+            yield Skipped(key, read)
+            continue
+        caption, meta = read
         data = read_file(path)
         if isinstance(data, str):
             yield Skipped(key, data)

@@ -126,3 +126,19 @@ def summary_line(report: dict) -> str:
     if report["inputs_failed"]:
         line += f"; {len(report['inputs_failed'])} inputs FAILED (rerun to retry; see convert-report.json)"
     return line
+
+
+def run_failure(report: dict) -> str | None:
+    """Why a run that finished must still exit non-zero, in one line, or None. Every input failing
+    (none done, now or before) or no sample written at all leaves nothing to train on; some inputs
+    failing is a partial result, counted in the report and retried by the next run (exit 0)."""
+    failed, where = report["inputs_failed"], f"{report['out'].rstrip('/')}/convert-report.json"
+    if failed and not report["inputs_done"]:
+        name, error = min(failed.items())
+        error = " ".join(str(error).split())  # one line, whatever the exception said
+        return f"every input failed ({len(failed)} of {report['inputs_total']}; {name}: {error}); see {where}"
+    if report["complete"] and report["samples_written"] == 0:
+        skipped = report["samples_skipped"]
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+        return f"no sample was written: every one was skipped ({reasons or 'none seen'}); see {where}"
+    return None

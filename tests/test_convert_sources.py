@@ -49,7 +49,7 @@ def test_folder(tmp_path):
     report = json.loads((out / "convert-report.json").read_text())
     assert report["inputs_total"] == 3  # 12 images in parts of 4
     assert report["samples_skipped"] == {
-        "caption_not_utf8": 1, "empty_file": 1, "missing_caption": 2, "not_an_image": 1
+        "bad_json": 1, "caption_not_utf8": 1, "empty_file": 1, "missing_caption": 1, "not_an_image": 1
     }  # fmt: skip
     assert report["samples_repaired"] == {"16bit": 1}
 
