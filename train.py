@@ -3,19 +3,28 @@
 import logging
 import sys
 
+USAGE = """usage: train.py yamls/RUN.yaml [key=value ...]
+
+  key=value   set a config key (e.g. trainer.max_duration=100ba, data.train.local=runs/data/mine);
+              +key=value adds a key the recipe lacks, ~key removes one; each key at most once.
+  A rerun of the same command continues from the newest checkpoint in trainer.save_folder.
+  Recipes: yamls/*.yaml; docs/training.md explains the keys."""
+
 
 def main(argv: list[str]) -> None:
     # Imported here, not at the top: Composer starts its remote-upload helpers with `spawn`, and a
     # spawned process imports this script first; with these imports at the top each helper would
     # load the whole stack (~7 s of CPU) for nothing.
     from common.secrets import install_log_redaction
-    from recipes import ConfigError, load_config, train
+    from recipes import ConfigError, check_overrides, load_config, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_redaction()
-    if not argv:
-        sys.exit("usage: train.py yamls/RUN.yaml [key=value ...]")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\n" + USAGE)
+        sys.exit(0 if argv else 2)
     try:
+        check_overrides(argv[1:])
         train(load_config(argv[0], argv[1:]))
     except ConfigError as err:
         sys.exit(f"config error: {err}")

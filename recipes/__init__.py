@@ -1,6 +1,6 @@
 """The training recipe: config, trainer building, algorithms and callbacks."""
 
-from recipes.config import ConfigError, load_config, parse_config
+from recipes.config import ConfigError, check_overrides, load_config, parse_config
 from recipes.trainer import build_trainer, train
 
-__all__ = ["ConfigError", "build_trainer", "load_config", "parse_config", "train"]
+__all__ = ["ConfigError", "check_overrides", "build_trainer", "load_config", "parse_config", "train"]

@@ -112,3 +112,80 @@ def device_problem(trainer: dict, optimizer: dict | None = None) -> str | None:
             "remove it with ~trainer.parallelism_config for a CPU run"
         )
     return None
+
+
+# model.<key>: (check, what it must be). The model classes check them too, but only once the data is
+# prepared and the model built; here they fail before anything is.
+_MODEL_RANGES = {
+    "caption_drop_prob": (lambda v: 0.0 <= v <= 1.0, "a probability in [0, 1]"),
+    "offset_noise": (lambda v: v >= 0.0, "zero or more"),
+    "min_snr_gamma": (lambda v: v > 0.0, "a positive number or null"),
+    "timestep_std": (lambda v: v > 0.0, "a positive number"),
+    "timestep_shift": (lambda v: v == "auto" or v > 0.0, "a positive number, 'auto' or null"),
+}
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+
+def model_values_problem(model: dict) -> str | None:
+    """Numbers of `model:` out of their range, and an unknown prediction type."""
+    for key, (ok, must) in _MODEL_RANGES.items():
+        value = model.get(key)
+        if value is None:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (number or value == "auto") or not ok(value):
+            return f"'model.{key}' must be {must}, got {value!r}"
+    prediction = model.get("prediction_type")
+    if prediction is not None and prediction not in PREDICTION_TYPES:
+        return f"'model.prediction_type' must be one of {list(PREDICTION_TYPES)} or null, got {prediction!r}"
+    return None
+
+
+def resolution_problem(preset: str, key: str, resolution) -> str | None:
+    """`data.<split>.resolution` positive and a multiple of what the preset's latents need: the VAE's
+    factor (8: 30 px would silently train on 24 px crops of 3x3 latents), times the patch size for a
+    transformer (its latents are cut into patches)."""
+    from models.presets import PRESETS, denoiser_factor, family, vae_factor
+
+    base = preset.removesuffix("-vae") if preset not in PRESETS else preset
+    if base not in PRESETS:
+        return None  # the preset check names it
+    if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution <= 0:
+        return f"'{key}.resolution' must be a positive number of pixels, got {resolution!r}"
+    multiple = vae_factor(base) * (denoiser_factor(base) if family(base) == "mmdit" else 1)
+    if resolution % multiple:
+        low, high = resolution // multiple * multiple, (resolution // multiple + 1) * multiple
+        why = "the VAE's factor x the patch size" if family(base) == "mmdit" else "the VAE's factor"
+        nearest = f"{low} or {high}" if low else str(high)
+        return (
+            f"'{key}.resolution' is {resolution}, not a multiple of {multiple} ({why} for preset "
+            f"{base}); use {nearest}"
+        )
+    return None
+
+
+def save_folder_problem(trainer: dict, run_name: str) -> str | None:
+    """A local save_folder that holds an earlier run's checkpoints, with autoresume off and
+    save_overwrite off: Composer would refuse only once the model and data are built (a traceback),
+    and with save_overwrite on it would replace them. Say so before anything is built."""
+    from pathlib import Path
+
+    from recipes.resume import SAVE_FILENAME, checkpoint_pattern, is_remote
+
+    folder = trainer.get("save_folder")
+    if folder is None or is_remote(folder) or trainer.get("autoresume") or trainer.get("save_overwrite"):
+        return None
+    folder = Path(str(folder).replace("{run_name}", run_name))
+    pattern = checkpoint_pattern(trainer.get("save_filename") or SAVE_FILENAME, run_name)
+    if pattern is None or not folder.is_dir():
+        return None
+    found = sorted(
+        (int(m["batch"]), p.name) for p in folder.iterdir() if (m := pattern.match(p.name)) is not None
+    )
+    if not found:
+        return None
+    return (
+        f"'trainer.save_folder' {folder} holds checkpoints of an earlier run (newest: {found[-1][1]}); "
+        "rerun with trainer.autoresume=true to continue it, or give a new trainer.save_folder to start "
+        "afresh (trainer.save_overwrite=true replaces them)"
+    )

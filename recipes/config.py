@@ -25,7 +25,15 @@ from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
 from data.loader import EvalDataConfig, ImageCaptionDataConfig
-from recipes.checks import cudagraphs_problem, device_problem, fsdp_problem, param_dtype_problem
+from recipes.checks import (
+    cudagraphs_problem,
+    device_problem,
+    fsdp_problem,
+    model_values_problem,
+    param_dtype_problem,
+    resolution_problem,
+    save_folder_problem,
+)
 
 
 class ConfigError(ValueError):
@@ -83,11 +91,45 @@ def load_config(yaml_path: str | Path, overrides: list[str] = ()) -> DictConfig:
     hydra_overrides = [o if o[:1] in "+~" or o.split("=", 1)[0] in groups else f"++{o}" for o in overrides]
     try:
         with initialize_config_dir(config_dir=str(path.parent), version_base=None):
-            return compose(config_name=path.stem, overrides=hydra_overrides)
+            cfg = compose(config_name=path.stem, overrides=hydra_overrides)
     except (ConfigCompositionException, OverrideParseException) as err:
         raise ConfigError(f"{path.name}: {err}") from err
     except yaml.YAMLError as err:  # the YAML itself, or one in its defaults list, does not parse
         raise ConfigError(_yaml_error(err)) from err
+    _own_data_only(cfg, overrides)
+    return cfg
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def check_overrides(overrides) -> None:
+    """One key given twice on the command line is a mistake (which one did the user mean?), not
+    last-wins. train.py checks a user's command line; code composing overrides may layer them."""
+    seen: dict[str, str] = {}
+    for override in overrides:
+        key = _override_key(override)
+        if key in seen:
+            raise ConfigError(
+                f"'{key}' is given twice on the command line ({seen[key]} and {override}); keep one"
+            )
+        seen[key] = override
+
+
+def _own_data_only(cfg: DictConfig, overrides) -> None:
+    """A set named on the command line is the user's own: the recipe's `prepare` (synthetic data it
+    makes on first use) does not apply to it unless the command line names a preparer too, so a typo
+    in `data.train.local=...` is "does not exist", not a run on 2,048 synthetic shapes."""
+    keys = {_override_key(o) for o in overrides}
+    data = cfg.get("data") if isinstance(cfg, DictConfig) else None
+    for split in ("train", "eval"):
+        section = data.get(split) if data is not None else None
+        if not isinstance(section, DictConfig) or section.get("prepare") is None:
+            continue
+        named = {f"data.{split}.{k}" for k in ("local", "remote", "streams")} & keys
+        if named and f"data.{split}.prepare" not in keys:
+            section.prepare = None
 
 
 def _yaml_error(err: yaml.YAMLError) -> str:
@@ -120,6 +162,10 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
             raw[section] = {k: v for k, v in raw[section].items() if v is not None}
     run = _build(RunConfig, raw, "")
     _check_model_keys(run.model)
+    _refuse(model_values_problem(run.model))
+    for split in ("train", "eval"):
+        if (data := getattr(run.data, split)) is not None:
+            _refuse(resolution_problem(run.model["preset"], f"data.{split}", data.resolution))
     _check_trainer_keys(run.trainer)
     _check_max_duration(run.trainer)
     _refuse(fsdp_problem(run.trainer))
@@ -325,9 +371,10 @@ def _build_once(spec: dict, where: str, **supplied) -> None:
 
 
 def check_device(run: RunConfig) -> None:
-    """The device, precision and optimizer this machine can run (recipes/checks.py); called before
-    anything is built."""
+    """The device, precision and optimizer this machine can run, and a save folder the run would
+    collide with (recipes/checks.py); called before anything is built."""
     _refuse(device_problem(run.trainer, run.optimizer))
+    _refuse(save_folder_problem(run.trainer, run.run_name))
 
 
 def _refuse(problem: str | None) -> None:

@@ -25,6 +25,7 @@ from data.loader import ImageCaptionDataConfig, bucket_sizes
 from data.streams import resolve_streams
 from data.synthetic import write_shapes_folder
 from recipes.config import ConfigError
+from recipes.data_checks import not_mds
 
 log = logging.getLogger(__name__)
 
@@ -190,9 +191,20 @@ def ensure_dataset(cfg: ImageCaptionDataConfig, size_multiple: int = 64, key: st
             raise ValueError(f"{key}.prepare={cfg.prepare!r} writes to `local`; set {key}.local to a folder")
         if cfg.prepare not in PREPARERS:
             raise ValueError(f"{key}.prepare={cfg.prepare!r} is not one of {sorted(PREPARERS)}")
+        if Path(cfg.local).exists() and not Path(cfg.local, "index.json").exists():
+            # The user's own folder (photos, say): never build into it or next to it.
+            raise ValueError(not_mds(key, Path(cfg.local)))
+        if not Path(cfg.local, "index.json").exists():
+            log.warning(
+                "%s.local=%s is missing: making the synthetic %r set there (%s.prepare=%s; set it to "
+                "null to train on your own data)", key, cfg.local, cfg.prepare, key, cfg.prepare,
+            )  # fmt: skip
         PREPARERS[cfg.prepare](cfg.local)
     elif cfg.streams is None and cfg.remote is None and not Path(cfg.local, "index.json").exists():
-        raise FileNotFoundError(f"{key}.local={cfg.local} holds no MDS dataset (no index.json)")
+        missing = not Path(cfg.local).exists()
+        raise FileNotFoundError(
+            f"{key}.local={cfg.local} does not exist" if missing else not_mds(key, Path(cfg.local))
+        )
     if cfg.streams is not None or cfg.buckets or cfg.remote is not None:
         specs = resolve_streams(cfg)
         if cfg.buckets:

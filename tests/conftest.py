@@ -26,6 +26,12 @@ def tiny_run(shapes_mds: Path, batches: int) -> list[str]:
     ]
 
 
+def merged(*overrides: str) -> list[str]:
+    """`overrides` with each key once, the last value kept (train.py refuses a key given twice)."""
+    last = {o.split("=", 1)[0].lstrip("+~"): o for o in overrides}
+    return list(last.values())
+
+
 sys.path.insert(0, str(REPO))
 # The fast and full test tiers: marks, and the guard that keeps unmarked tests unit tests.
 pytest_plugins = ["tests.tiers"]

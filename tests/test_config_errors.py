@@ -111,9 +111,9 @@ def test_gpu_device_without_a_gpu(shapes_mds, nothing_built):
 def test_missing_data_paths_are_named(shapes_mds, tmp_path, nothing_built):
     # The whole key, as written on the command line (data.train.local, not data.local).
     nope, gone = tmp_path / "nope", tmp_path / "gone"
-    _fails([f"data.train.local={nope}"], shapes_mds, f"^data.train.local={nope} holds no MDS dataset")
+    _fails([f"data.train.local={nope}"], shapes_mds, f"^data.train.local={nope} does not exist")
     _fails(["data.train.local=null"], shapes_mds, "^data.train: set `local`")
-    _fails([f"+data.eval={{local: {gone}}}"], shapes_mds, f"^data.eval.local={gone} holds no MDS dataset")
+    _fails([f"+data.eval={{local: {gone}}}"], shapes_mds, f"^data.eval.local={gone} does not exist")
     _fails(["data.train.prepare=nosuch"], shapes_mds, "^data.train.prepare='nosuch' is not one of")
 
 

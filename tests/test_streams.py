@@ -12,7 +12,7 @@ from PIL import Image
 
 from convert.__main__ import main as sd_convert
 from recipes import ConfigError, build_trainer, load_config, parse_config
-from tests.conftest import REPO, shared_folder, tiny_run
+from tests.conftest import REPO, merged, shared_folder, tiny_run
 from tests.probes import read_key_log
 
 # (aspect label, width x height, images): 24 + 16 + 8 = 48 samples, buckets of 3, 2 and 1 batches of 8
@@ -40,7 +40,7 @@ def bucketed_mds(tmp_path_factory) -> Path:
 
 
 def _overrides(*extra):
-    return [*tiny_run(Path("/unused"), 1)[1:], *extra]  # tiny_run's, without its data.train.local
+    return merged(*tiny_run(Path("/unused"), 1)[1:], *extra)  # tiny_run's, without its data.train.local
 
 
 def _config(*overrides):
