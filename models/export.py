@@ -38,8 +38,6 @@ failed or killed export leaves no half-written OUT_DIR.
 """
 
 import argparse
-import contextlib
-import errno
 import functools
 import logging
 from pathlib import Path
@@ -52,7 +50,6 @@ from diffusers import (
     StableDiffusionXLPipeline,
 )
 
-from common.atomic import atomic_path
 from compat.transformers import init_empty_weights
 from models.build import MODEL_CLASSES, bundled_tokenizers
 from models.checkpoint_file import (
@@ -65,6 +62,7 @@ from models.checkpoint_file import (
 )
 from models.lora import merge_lora, save_lora
 from models.mmdit import RectifiedFlowTransformer
+from models.out_dir import WriteError, check_out_dir, written_into_place
 from models.presets import PRESETS, build_components, family
 from models.record import model_family, read_record, rebuild_model
 from models.sd3_folder import save_sd3_folder
@@ -250,51 +248,13 @@ def _lora_model(path, record: dict, weights: dict) -> StableDiffusion:
     return model.eval()
 
 
-def check_out_dir(out_dir: str | Path) -> Path:
-    """`out_dir` is new or an empty folder: an export never merges into, or replaces, what is there
-    (FileExistsError, one line, otherwise)."""
-    out_dir = Path(out_dir)
-    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
-        raise FileExistsError(f"{out_dir} is a file, not a folder: give a new or empty folder to export into")
-    if out_dir.is_dir():
-        held = sorted(p.name for p in out_dir.iterdir())
-        if held:
-            shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
-            raise FileExistsError(
-                f"{out_dir} is not empty (it holds {shown}): export into a new or empty folder; "
-                "nothing there was changed"
-            )
-    return out_dir
-
-
-class WriteError(OSError):
-    """Writing the export failed (the message is one line; nothing is left at OUT_DIR)."""
-
-
-@contextlib.contextmanager
-def _written_into_place(out_dir: Path):
-    """A temporary sibling of `out_dir` to write, renamed onto it when complete (common.atomic)."""
-    check_out_dir(out_dir)
-    try:
-        with atomic_path(out_dir, existing="replace") as tmp:
-            yield tmp
-    except OSError as error:
-        if error.errno in (errno.ENOTEMPTY, errno.EEXIST):  # the rename: the folder was filled meanwhile
-            raise FileExistsError(
-                f"{out_dir} was filled by something else during the export: nothing was written to it; "
-                "export into a new or empty folder"
-            ) from error
-        # A full disk, a permission: one line, and (atomic_path removed the partial copy) no OUT_DIR.
-        raise WriteError(f"writing {out_dir}: {error}; nothing was written there") from error
-
-
 def export_pipeline(model: StableDiffusion | RectifiedFlowTransformer, out_dir: str | Path) -> Path:
     """Write `model` as a diffusers StableDiffusionPipeline folder (safetensors weights); an SDXL
     model as a StableDiffusionXLPipeline folder, an mmdit model as a StableDiffusion3Pipeline folder
     with a README.md that says its max_sequence_length. `out_dir` must be new or empty (check_out_dir);
     it appears only once complete."""
     out_dir = Path(out_dir)
-    with _written_into_place(out_dir) as tmp:
+    with written_into_place(out_dir) as tmp:
         _write_pipeline(model, tmp, out_dir)
     return out_dir
 
@@ -391,7 +351,7 @@ def export(args: argparse.Namespace) -> None:
     elif args.lora:
         pipeline_class = PIPELINES[model_family(model)]
         out_dir = Path(args.out_dir)
-        with _written_into_place(out_dir) as tmp:
+        with written_into_place(out_dir) as tmp:
             save_lora(model.denoiser, tmp, pipeline_class)
         print(f"LoRA weights: {out_dir.resolve()} ({pipeline_class.__name__}.load_lora_weights loads it)")
         return
