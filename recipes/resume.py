@@ -15,15 +15,37 @@ listed checkpoint is whole) and every rank loads it by URI, which Composer downl
 folder. Nothing is written outside the configured folders and no local file is consulted. Sharded
 checkpoints (a folder of files per checkpoint, `state_dict_type: sharded`) keep Composer's own path,
 which reads the remote pointer directly.
+
+A local folder is not left to Composer either (`local_autoresume`): its autoresume follows rank 0's
+`latest-rank0.pt` symlink, which Composer replaces by deleting it and linking anew (a kill between
+the two restarts the run at batch 0 over its own checkpoints) and which may name a file that does
+not load (one torn by a crash before extensions/checkpointing.py made writes atomic, or damaged
+since). Instead rank 0 lists the folder, every rank says which of those files it sees whole (same
+size: a save_folder that some node does not share shows up here), and rank 0 takes the newest that
+every rank sees and that loads (models/checkpoint_file.py), then broadcasts that one decision. A
+newer file that does not load is skipped with a warning naming it, and renamed aside
+(`NAME.unreadable`, never deleted): under its own name Composer would refuse to start
+(save_overwrite=false, a "conflicting" newer checkpoint) or the run would save over it.
 """
 
 import logging
+import os
 import re
 import string
+from pathlib import Path
 
 from composer.utils import dist, format_name_with_dist, maybe_create_object_store_from_uri, parse_uri
 
+from common.atomic import atomic_path
+from models.checkpoint_file import CheckpointError, read_checkpoint
+
 log = logging.getLogger(__name__)
+
+
+class ResumeError(ValueError):
+    """Checkpoints are there but none can be resumed; one line that says why and what to do
+    (build_trainer reports it as a config error: recipes/load_check.py)."""
+
 
 SAVE_FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"  # composer.Trainer's default save_filename
 # Fields of a save_filename that hold the rank-0 file's values; any other field is a number or a time.
@@ -68,14 +90,37 @@ def newest_checkpoint(save_folder: str, save_filename: str, run_name: str) -> st
     return store.get_uri(found[max(found)]) if found else None
 
 
+def autoresume(trainer: dict, run_name: str) -> dict:
+    """`trainer` (composer.Trainer's keyword arguments) with the checkpoint a rerun resumes from as its
+    `load_path` and Composer's autoresume off, for a remote or a local save_folder; unchanged when
+    the run does not autoresume, or saves sharded checkpoints (Composer's own path)."""
+    return local_autoresume(remote_autoresume(trainer, run_name), run_name)
+
+
+def _sharded(trainer: dict) -> bool:
+    return (trainer.get("parallelism_config") or {}).get("fsdp", {}).get("state_dict_type") == "sharded"
+
+
+def _resume_from(trainer: dict, path: str) -> dict:
+    """What Composer's autoresume does with the checkpoint it finds: load it whole, whatever the run's
+    own load options (those are for a first run's `load_path`)."""
+    return {
+        **trainer,
+        "autoresume": False,
+        "load_path": path,
+        "load_weights_only": False,
+        "load_ignore_keys": None,
+        "load_exclude_algorithms": None,
+    }
+
+
 def remote_autoresume(trainer: dict, run_name: str) -> dict:
     """`trainer` (the composer.Trainer keyword arguments of a run) with Composer's autoresume replaced
     for a remote, non-sharded save_folder: `load_path` is the newest checkpoint there, loaded whole
     (what Composer's autoresume does with the checkpoint it finds), or the run's own `load_path` when
     the folder holds none. Anything else is returned unchanged."""
     folder = trainer.get("save_folder")
-    sharded = (trainer.get("parallelism_config") or {}).get("fsdp", {}).get("state_dict_type") == "sharded"
-    if not trainer.get("autoresume") or not is_remote(folder) or sharded:
+    if not trainer.get("autoresume") or not is_remote(folder) or _sharded(trainer):
         return trainer
     save_filename = trainer.get("save_filename", SAVE_FILENAME)
     if checkpoint_pattern(save_filename, run_name) is None:
@@ -88,10 +133,138 @@ def remote_autoresume(trainer: dict, run_name: str) -> dict:
         log.info("autoresume: no checkpoint in %s yet; starting this run", folder)
         return trainer
     log.info("autoresume: resuming from %s, the newest checkpoint in %s", newest[0], folder)
-    return {
-        **trainer,
-        "load_path": newest[0],
-        "load_weights_only": False,
-        "load_ignore_keys": None,
-        "load_exclude_algorithms": None,
-    }
+    return _resume_from(trainer, newest[0])
+
+
+def on_rank_zero(work):
+    """`work()` run on rank 0 and its result broadcast to every rank. When it raises, the other ranks
+    raise too instead of waiting in the broadcast until the process group times out."""
+    result = [None]
+    if dist.get_global_rank() == 0:
+        try:
+            result = [("ok", work())]
+        except BaseException as error:
+            dist.broadcast_object_list([("failed", f"{type(error).__name__}: {error}")], src=0)
+            raise
+    dist.broadcast_object_list(result, src=0)
+    status, value = result[0]
+    if status == "failed":
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value
+
+
+def local_checkpoints(folder: Path, pattern: re.Pattern) -> list[tuple[int, str, int]]:
+    """(batch, path, size) of every checkpoint under `folder` named by `pattern` (rank 0's files;
+    a non-sharded checkpoint is rank 0's file alone), newest first. Temporary files of a write in
+    progress or killed (`.tmp-PID-NAME`), symlinks (`latest`) and files renamed aside never match."""
+    found = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = Path(root, name)
+            if path.is_symlink() or (match := pattern.match(path.relative_to(folder).as_posix())) is None:
+                continue
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # deleted meanwhile (another run's rotation)
+                continue
+            found.append((int(match["batch"]), stat.st_mtime_ns, str(path.absolute()), stat.st_size))
+    return [(batch, path, size) for batch, _, path, size in sorted(found, reverse=True)]
+
+
+def _seen_whole(listed: list[tuple[int, str, int]]) -> set[str]:
+    """The listed paths this rank sees at the size rank 0 listed."""
+    seen = set()
+    for _, path, size in listed:
+        try:
+            if os.path.getsize(path) == size:
+                seen.add(path)
+        except OSError:
+            pass
+    return seen
+
+
+def _batch_of(listed: list[tuple[int, str, int]], path: str) -> int:
+    return next(batch for batch, listed_path, _ in listed if listed_path == path)
+
+
+def _set_aside(path: str) -> str:
+    """Rename `path` to `path.unreadable` (or `.unreadable-2`, ... if taken); the new name."""
+    target, n = f"{path}.unreadable", 1
+    while os.path.lexists(target):
+        n += 1
+        target = f"{path}.unreadable-{n}"
+    os.rename(path, target)
+    return target
+
+
+def _repoint_latest(folder: Path, set_aside: set[str], path: str) -> None:
+    """Point the symlinks in `folder` (Composer's `latest-rank0.pt`) that named a file now set aside at
+    `path`, the checkpoint resumed from, so that a load_path of `latest` finds it before the next save."""
+    for link in folder.iterdir() if set_aside else ():
+        if link.is_symlink() and os.path.abspath(os.path.join(folder, os.readlink(link))) in set_aside:
+            with atomic_path(link) as tmp:
+                tmp.symlink_to(os.path.relpath(path, folder))
+
+
+def _choose(listed: list[tuple[int, str, int]], everywhere: list[str], folder: Path) -> dict:
+    """Rank 0's decision: {"path": the newest checkpoint every rank sees whole and that loads, or
+    None}, or {"error": one line}. Newer files that do not load are renamed aside, each with a
+    warning, once a checkpoint that loads has been found (none is touched when none loads)."""
+    unreadable = []
+    for path in everywhere:
+        try:
+            if path.endswith(".pt"):  # torch.save's file; a tar or compressed one is left to Composer
+                read_checkpoint(path)
+        except (CheckpointError, FileNotFoundError) as error:
+            unreadable.append((path, str(error)))
+            continue
+        for bad, reason in unreadable:
+            log.warning(
+                "autoresume: skipping %s, which does not load (%s); renamed to %s, not deleted",
+                bad,
+                reason,
+                Path(_set_aside(bad)).name,
+            )
+        _repoint_latest(folder, {bad for bad, _ in unreadable}, path)
+        for batch, other, _ in listed:
+            if batch > _batch_of(listed, path) and other not in everywhere:
+                log.warning("autoresume: skipping %s, which not every rank sees whole", other)
+        log.info("autoresume: resuming from %s, the newest complete checkpoint in %s", path, folder)
+        return {"path": path}
+    if unreadable:
+        bad, reason = unreadable[0]
+        return {
+            "error": f"trainer.autoresume: none of the {len(unreadable)} checkpoints in {folder} loads "
+            f"(the newest: {reason}); move them out of trainer.save_folder to start this run afresh"
+        }
+    if listed:  # rank 0 sees checkpoints that some rank does not
+        return {
+            "error": f"trainer.save_folder: {folder} holds {len(listed)} checkpoints on rank 0 that not "
+            "every rank sees whole: give a folder every node shares, or an s3:// one"
+        }
+    log.info("autoresume: no checkpoint in %s yet; starting this run", folder)
+    return {"path": None}
+
+
+def local_autoresume(trainer: dict, run_name: str) -> dict:
+    """`trainer` with Composer's autoresume replaced for a local, non-sharded save_folder (see the
+    module docstring): `load_path` is the newest checkpoint complete for every rank, or the run's own
+    `load_path` when the folder holds none. Raises ResumeError, on every rank, when checkpoints are
+    there but none can be resumed. Anything else is returned unchanged."""
+    folder = trainer.get("save_folder")
+    if not trainer.get("autoresume") or folder is None or is_remote(folder) or _sharded(trainer):
+        return trainer
+    save_filename = trainer.get("save_filename", SAVE_FILENAME)
+    pattern = checkpoint_pattern(save_filename, run_name)
+    if pattern is None:
+        log.warning("save_filename=%r has no {batch}: autoresume left to Composer", save_filename)
+        return trainer
+    folder = Path(format_name_with_dist(str(folder), run_name))
+    listed = on_rank_zero(lambda: local_checkpoints(folder, pattern))
+    seen = dist.all_gather_object(_seen_whole(listed))
+    everywhere = [path for _, path, _ in listed if all(path in rank_seen for rank_seen in seen)]
+    decision = on_rank_zero(lambda: _choose(listed, everywhere, folder))
+    if "error" in decision:
+        raise ResumeError(decision["error"])
+    trainer = {**trainer, "autoresume": False}
+    return trainer if decision["path"] is None else _resume_from(trainer, decision["path"])

@@ -35,8 +35,8 @@ from models.presets import size_multiple
 from models.record import ModelRecord, describe
 from models.torch_compile import compiles_with_cudagraphs
 from recipes.config import ConfigError, RunConfig, check_device, parse_config
+from recipes.load_check import resume_and_check
 from recipes.prepare import ensure_dataset, prepare_pretrained
-from recipes.resume import remote_autoresume
 from recipes.scaling import BatchPlan, plan_batches
 from recipes.shm import clean_shared_memory
 
@@ -73,8 +73,9 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     if run.prepare_pretrained is not None:
         prepare_pretrained(run.model.get("pretrained"), run.prepare_pretrained)
 
-    # A remote save_folder resumes from the newest checkpoint in it, not Composer's local copy.
-    kwargs = remote_autoresume(trainer_kwargs(run, world_size), run.run_name)
+    # The checkpoint a rerun resumes from: one decision for all ranks (recipes/resume.py), local or
+    # remote; it, or the run's load_path, checked against the model before anything trains.
+    kwargs = resume_and_check(trainer_kwargs(run, world_size), run.model["preset"], run.run_name)
     fsdp = run.trainer.get("parallelism_config") and run.trainer.get("device") != "cpu"
     if fsdp and torch.cuda.is_available():
         place_unsharded(kwargs["model"], torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))

@@ -1,0 +1,86 @@
+"""The checkpoint a run loads (its `trainer.load_path`, or the one autoresume chose: recipes/resume.py),
+checked against the run's model before anything trains.
+
+Composer would load it once the Trainer is built and fail, for another preset's checkpoint, with a
+state-dict traceback of a hundred size mismatches. Here rank 0 reads the checkpoint memory-mapped
+(models/checkpoint_file.py: the tensors' shapes, not their data) and compares it with the model the
+run built: a missing, truncated or foreign file, or a model whose tensors differ, is one config-error
+line on every rank that names the file, the checkpoint's preset (models/record.py records it) and the
+run's. Presets whose tensors are the same (sd2-base and sd2-768-v differ in sample size and objective
+only) may load each other: that is how SD2's 768-v model was trained from the base one.
+"""
+
+import logging
+from pathlib import Path
+
+import torch
+from composer.utils import format_name_with_dist
+
+from models.checkpoint_file import CheckpointError, model_state, read_checkpoint
+from models.record import read_record
+from recipes.config import ConfigError
+from recipes.resume import ResumeError, autoresume, is_remote, on_rank_zero
+
+log = logging.getLogger(__name__)
+
+
+def resume_and_check(trainer: dict, preset: str, run_name: str) -> dict:
+    """`trainer` (composer.Trainer's keyword arguments) with the checkpoint a rerun resumes from as its
+    load_path (recipes/resume.py), that checkpoint or the run's own load_path checked against the
+    model; a ConfigError, on every rank, when it cannot be loaded."""
+    try:
+        trainer = autoresume(trainer, run_name)
+    except ResumeError as error:
+        raise ConfigError(str(error)) from error
+    check_load_path(trainer, preset, run_name)
+    return trainer
+
+
+def check_load_path(trainer: dict, preset: str, run_name: str) -> None:
+    """Raise ConfigError, on every rank, when `trainer["load_path"]` (composer.Trainer's keyword
+    arguments) is a local checkpoint file that the run's model cannot load. Remote paths, folders
+    (sharded checkpoints) and tar or compressed files are left to Composer."""
+    path = trainer.get("load_path")
+    if not path or is_remote(str(path)):
+        return
+    strict = trainer.get("load_strict_model_weights", True)
+    path = format_name_with_dist(str(path), run_name)  # rank 0's file, as Composer loads
+    problem = on_rank_zero(lambda: load_path_problem(path, trainer["model"], preset, strict))
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def load_path_problem(path: str, model: torch.nn.Module, preset: str, strict: bool = True) -> str | None:
+    """Why `model` (of `preset`) cannot load the checkpoint file at `path`, in one line; None if it can."""
+    if Path(path).is_dir() or not path.endswith(".pt"):
+        return None
+    try:
+        state = read_checkpoint(path)
+    except (CheckpointError, FileNotFoundError) as error:
+        return f"trainer.load_path: {error}"
+    recorded = (read_record(state) or {}).get("preset")
+    differences = tensor_differences(model_state(state), model.state_dict(), strict)
+    if not differences:
+        if recorded not in (None, preset):
+            log.warning("loading %s, a %s checkpoint, into a %s model: same tensors", path, recorded, preset)
+        return None
+    what = f"a model of preset {recorded}" if recorded else "a model that records no preset"
+    fix = f"set model.preset={recorded}, or " if recorded not in (None, preset) else ""
+    return (
+        f"trainer.load_path: {path} holds {what}, and this run's model.preset is {preset}: "
+        f"{len(differences)} tensors differ ({differences[0]}); {fix}give a checkpoint of a {preset} model"
+    )
+
+
+def tensor_differences(saved: dict, wanted: dict, strict: bool = True) -> list[str]:
+    """What keeps a model with the tensors `wanted` from loading `saved` (name -> tensor): shapes that
+    differ, and with `strict` (Composer's load_strict_model_weights) names either lacks."""
+    differences = [
+        f"{name}: {list(saved[name].shape)} in the checkpoint, {list(wanted[name].shape)} in the model"
+        for name in wanted
+        if name in saved and saved[name].shape != wanted[name].shape
+    ]
+    if strict:
+        differences += [f"{name} missing from the checkpoint" for name in wanted if name not in saved]
+        differences += [f"{name} not in the model" for name in saved if name not in wanted]
+    return differences

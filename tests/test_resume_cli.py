@@ -1,0 +1,57 @@
+"""train.py onto checkpoints it cannot use as they are: a rerun whose newest checkpoint is torn resumes
+from the newest complete one and says so, and a load_path of another preset's checkpoint is one
+`config error:` line before anything trains (recipes/resume.py, recipes/load_check.py)."""
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+import train as train_py
+from tests.conftest import REPO, tiny_run
+
+
+def overrides(shapes_mds, batches: int, **trainer) -> list[str]:
+    """tests.conftest.tiny_checkpoint's run for `batches` batches, with `trainer` keys set instead."""
+    keys = {f"trainer.{key}" for key in trainer}
+    run = [o for o in tiny_run(shapes_mds, batches) if o.split("=")[0] not in keys]
+    return [*run, "algorithms.ema.half_life=2", *(f"trainer.{k}={v}" for k, v in trainer.items())]
+
+
+def test_a_rerun_onto_a_torn_newest_checkpoint_resumes_from_the_one_before(
+    tiny_checkpoint, shapes_mds, tmp_path, caplog
+):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(tiny_checkpoint, ckpt / "ep0-ba3-rank0.pt")  # 3 batches
+    whole = tiny_checkpoint.read_bytes()
+    torn = whole[: len(whole) // 2]  # batch 4's, cut short by a crash before saves were atomic
+    (ckpt / "ep0-ba4-rank0.pt").write_bytes(torn)
+    args = overrides(shapes_mds, 4, save_folder=ckpt, autoresume="true", save_overwrite="false")
+    with caplog.at_level(logging.INFO):
+        train_py.main([str(REPO / "yamls/tiny-cpu.yaml"), *args])
+    said = [r.getMessage() for r in caplog.records if r.name == "recipes.resume"]
+    assert said[0].startswith(f"autoresume: skipping {ckpt / 'ep0-ba4-rank0.pt'}, which does not load (")
+    assert "is truncated" in said[0] and "renamed to ep0-ba4-rank0.pt.unreadable, not deleted" in said[0]
+    assert said[1].startswith(f"autoresume: resuming from {ckpt / 'ep0-ba3-rank0.pt'}")
+    assert (ckpt / "ep0-ba4-rank0.pt.unreadable").read_bytes() == torn  # kept, byte for byte
+    assert (ckpt / "ep0-ba3-rank0.pt").read_bytes() == whole
+    # It trained batch 4 only, and saved it under the name the torn file had (save_overwrite=false:
+    # left there, Composer would have refused to start, and a save over it would have lost it).
+    state = torch.load(ckpt / "ep0-ba4-rank0.pt", weights_only=False)["state"]
+    assert state["timestamp"]["Timestamp"]["batch"] == 4
+
+
+def test_load_path_of_another_presets_checkpoint_is_one_config_error(tiny_checkpoint, shapes_mds, tmp_path):
+    args = overrides(shapes_mds, 4, load_path=tiny_checkpoint, save_folder=tmp_path / "ckpt")
+    with pytest.raises(SystemExit) as exit_:
+        train_py.main([str(REPO / "yamls/tiny-sdxl-cpu.yaml"), *args])
+    message = str(exit_.value.code)
+    assert message.startswith(
+        f"config error: trainer.load_path: {tiny_checkpoint} holds a model of preset tiny, and this run's "
+        "model.preset is sdxl-tiny: "
+    ), message
+    assert message.endswith("set model.preset=tiny, or give a checkpoint of a sdxl-tiny model")
+    assert "\n" not in message
+    assert not (tmp_path / "ckpt").exists()  # nothing trained or saved
