@@ -60,6 +60,25 @@ def _drop_gathered_weights(root: torch.nn.Module) -> None:
     free_gathered_weights(root)
 
 
+def _dense_strides(p: torch.Tensor) -> tuple[int, ...]:
+    """`p`'s own strides when it is dense in any dim order (channels-last too), as `empty_like(p)`
+    keeps them; else row-major. Worked out from the numbers: an empty_like on the meta device made a
+    tensor per parameter, which bench/ema.py's count of allocations took for real bytes."""
+    expected = 1
+    for d in sorted(range(p.dim()), key=p.stride):
+        if p.shape[d] != 1:  # a size-1 dim's stride never matters
+            if p.stride(d) != expected:
+                break
+            expected *= p.shape[d]
+    else:
+        return p.stride()
+    strides, step = [], 1
+    for size in reversed(p.shape):
+        strides.insert(0, step)
+        step *= max(size, 1)
+    return tuple(strides)
+
+
 def _strip_wrappers(name: str) -> str:
     # DDP adds "module.", FSDP "_fsdp_wrapped_module." (activation checkpointing its own):
     # checkpoints should not depend on how the model was wrapped.
@@ -183,8 +202,7 @@ class EMA(Algorithm):
                 # Laid out like the parameter (channels-last too): a fused lerp over tensors of
                 # different strides falls back to one kernel per tensor on CUDA, and the offload
                 # copies both flat in one memory order.
-                strides = torch.empty_like(p, device="meta").stride()
-                self._ema[i] = flat[offset : offset + p.numel()].as_strided(p.shape, strides)
+                self._ema[i] = flat[offset : offset + p.numel()].as_strided(p.shape, _dense_strides(p))
                 self._ema[i].copy_(sources[i].detach())  # the master, if there is one yet
                 offset += p.numel()
 
