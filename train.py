@@ -12,13 +12,16 @@ USAGE = """usage: train.py yamls/RUN.yaml [key=value ...]
 
 
 def main(argv: list[str]) -> None:
-    # Imported here, not at the top: Composer starts its remote-upload helpers with `spawn`, and a
-    # spawned process imports this script first; with these imports at the top each helper would
-    # load the whole stack (~7 s of CPU) for nothing.
+    # Imported here, not at the top: Composer starts some helpers with `spawn` (MLflow's run monitor;
+    # a RemoteUploaderDownloader given use_procs=True), and a spawned process imports this script
+    # first; with these imports at the top each helper would load the whole stack (~7 s of CPU).
     from common.secrets import install_log_redaction
     from recipes import ConfigError, check_overrides, load_config, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Checkpoints upload from threads of this process (compat.composer.upload_in_threads), and each
+    # upload makes its own S3 client, which says where it found credentials: twice a checkpoint.
+    logging.getLogger("botocore.credentials").setLevel(logging.WARNING)
     install_log_redaction()
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\n" + USAGE)

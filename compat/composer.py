@@ -20,10 +20,11 @@
   subprocess: 1.1 s of CPU (measured) for every Trainer built, each rank of each run (and each
   training run of the test suite). `skip_cpu_probe` makes it read the name from /proc/cpuinfo.
 - `CheckpointSaver._symlink_upload_wait_before_next_try_in_seconds` (30 s in Composer, "allow unit
-  test to override this"): with a remote save_folder, the `latest` pointer is uploaded once a process
-  Composer spawns sees the checkpoint in the bucket, polling at this interval; so the pointer lags its
-  checkpoint by up to 30 s, and the end of every run waits for that poll. `poll_remote_checkpoints_every`
-  sets it on a trainer's savers: one HEAD request per poll while a checkpoint uploads.
+  test to override this"): with a remote save_folder, the `latest` pointer is uploaded once a worker
+  of Composer's RemoteUploader sees the checkpoint in the bucket, polling at this interval; so the
+  pointer lags its checkpoint by up to 30 s, and the end of every run waits for that poll.
+  `poll_remote_checkpoints_every` sets it on a trainer's savers: one HEAD request per poll while a
+  checkpoint uploads.
 - `Trainer._use_closures()`: True for every precision but fp16 AMP, and then Composer hands the
   microbatches to `optimizer.step(closure)` as a closure that ends in `loss.item()`. That host sync
   sits between the backward and the optimizer's kernels, so the host launches the update only once
@@ -32,6 +33,16 @@
   running it first, which Composer's other path does itself: `_train_microbatches`, then
   `optimizer.step()`, the path it takes for fp16. `step_without_closure` makes a trainer whose
   optimizers are all of those take it: one sync a batch fewer (tests/test_host_syncs.py).
+- The module globals `ProcessPoolExecutor` and `multiprocessing` of `composer.utils.remote_uploader`:
+  RemoteUploader, which uploads a remote save_folder's checkpoints, builds two pools of processes
+  started with `spawn` and a multiprocessing Manager (a server process) from them in its `__init__`.
+  None of those processes watches its parent: a SIGKILLed run (preemption, OOM killer) left five
+  behind for ever, three of ~780 MB (each imports torch and Composer), measured by
+  tests/test_killed_run.py. `upload_in_threads` swaps both names for thread-backed stand-ins, so the
+  uploads run in threads of the training process and end with it however it ends (and each run saves
+  the CPU of starting those processes). For the same reason every RemoteUploaderDownloader (a YAML
+  logger, or one Composer makes for a profiler's remote files) defaults to `use_procs=False`, its own
+  documented thread mode.
 - Modules below the public API: `composer.algorithms.ema.ema` (EMAParameters, compute_ema: bench/ema.py
   compares against Composer's EMA update), `composer.callbacks.speed_monitor.GPU_AVAILABLE_FLOPS`
   (bench/gpu_check.py's peak FLOPS table) and the modules `LPGroupNorm` / `LPLayerNorm` below
@@ -41,14 +52,18 @@
 
 import functools
 import importlib
+import inspect
 import platform
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from composer.callbacks import CheckpointSaver
 from composer.core import State
-from composer.utils import checkpoint, collect_env
+from composer.loggers import RemoteUploaderDownloader
+from composer.utils import checkpoint, collect_env, remote_uploader
 
 _LAZY = {
     "EMAParameters": "composer.algorithms.ema.ema",
@@ -156,3 +171,40 @@ def poll_remote_checkpoints_every(trainer, seconds: float) -> None:
     for callback in trainer.state.callbacks:
         if isinstance(callback, CheckpointSaver):
             callback._symlink_upload_wait_before_next_try_in_seconds = seconds
+
+
+PROCESS_POOL = remote_uploader.ProcessPoolExecutor  # Composer's own, for a check that they are swapped
+
+
+def _upload_thread_pool(max_workers=None, mp_context=None, **_) -> ThreadPoolExecutor:
+    """Stands in for ProcessPoolExecutor in composer.utils.remote_uploader (`mp_context` unused)."""
+    return ThreadPoolExecutor(max_workers, thread_name_prefix="checkpoint-upload")
+
+
+class _ThreadContext:
+    """Stands in for `multiprocessing` in composer.utils.remote_uploader, which asks it for one
+    thing besides the pools' context: `get_context('spawn').Manager().Event()`, the flag that a
+    checkpoint upload failed (a Manager starts a server process; a threading.Event does the job)."""
+
+    Event = threading.Event
+
+    @staticmethod
+    def get_context(method=None):
+        return _ThreadContext
+
+    @staticmethod
+    def Manager():  # noqa: N802 - multiprocessing's name
+        return _ThreadContext
+
+
+def upload_in_threads() -> None:
+    """Make Composer upload checkpoints (RemoteUploader) and files (RemoteUploaderDownloader, unless
+    it is given `use_procs=True`) from threads of this process, not from processes it spawns that
+    outlive a killed run. Call it before the Trainer is built; calling it again does nothing."""
+    remote_uploader.ProcessPoolExecutor = _upload_thread_pool
+    remote_uploader.multiprocessing = _ThreadContext
+    init = RemoteUploaderDownloader.__init__
+    with_defaults = list(inspect.signature(init).parameters)[-len(init.__defaults__) :]
+    defaults = list(init.__defaults__)
+    defaults[with_defaults.index("use_procs")] = False
+    init.__defaults__ = tuple(defaults)

@@ -23,6 +23,7 @@ from compat.composer import (
     poll_remote_checkpoints_every,
     skip_cpu_probe,
     step_without_closure,
+    upload_in_threads,
 )
 from data.loader import build_image_caption_dataloader
 from extensions.callbacks import IsolateEvalRng, RestoreRngOnResume
@@ -61,6 +62,7 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     clean_shared_memory([c.local for c in data_cfgs if c.local])  # a killed run's, for our folders
     install_atomic_checkpoint_writes()
     skip_cpu_probe()  # Composer's Trainer would run py-cpuinfo in a subprocess (1.1 s) to log the CPU's name
+    upload_in_threads()  # Composer's upload processes would outlive a killed run (tests/test_killed_run.py)
     for split, data_cfg in (("train", run.data.train), ("eval", run.data.eval)):
         try:
             if data_cfg is not None:

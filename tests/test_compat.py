@@ -39,6 +39,14 @@ RELIED_ON = [
     ("composer.callbacks", "CheckpointSaver", None),
     ("composer.callbacks:CheckpointSaver", "_symlink_upload_wait_before_next_try_in_seconds", ASSIGNED),
     ("composer.utils", "collect_env", None),
+    ("composer.utils", "remote_uploader", None),
+    ("composer.utils.remote_uploader", "ProcessPoolExecutor", None),  # swapped by upload_in_threads
+    ("composer.utils.remote_uploader", "multiprocessing", None),  # swapped by upload_in_threads
+    ("composer.utils.remote_uploader:RemoteUploader", "upload_executor", ASSIGNED),
+    ("composer.utils.remote_uploader:RemoteUploader", "check_remote_files_exist_executor", ASSIGNED),
+    ("composer.utils.remote_uploader:RemoteUploader", "is_remote_upload_failed", ASSIGNED),
+    ("composer.loggers", "RemoteUploaderDownloader", None),
+    ("composer.loggers:RemoteUploaderDownloader", "__init__", ("bucket_uri", "use_procs")),
     ("composer.utils.collect_env", "get_cpu_model", ()),  # called by get_composer_env_dict
     ("composer.utils.collect_env", "get_composer_env_dict", ()),  # called by Trainer.__init__
     ("composer.algorithms.ema.ema", "EMAParameters", ("model",)),
@@ -249,3 +257,36 @@ def test_the_environment_report_each_trainer_logs_starts_no_process(monkeypatch)
     skip_cpu_probe()
     report = collect_env.get_composer_env_dict()
     assert report["cpu_model"] and report["composer_version"]
+
+
+def test_composer_uploads_from_threads_of_this_process(monkeypatch):
+    """A remote save_folder's RemoteUploader (and a RemoteUploaderDownloader) would spawn processes
+    that outlive a killed run (tests/test_killed_run.py); after upload_in_threads, which build_trainer
+    calls, every pool runs its work in this process and none is started. A process started here
+    would also fail this unmarked test (tests/tiers.py)."""
+    import os
+    import threading
+    from concurrent.futures import ProcessPoolExecutor
+
+    from composer.loggers import RemoteUploaderDownloader
+    from composer.utils import remote_uploader
+
+    from compat.composer import PROCESS_POOL, upload_in_threads
+
+    assert PROCESS_POOL is ProcessPoolExecutor  # what upload_in_threads replaces is Composer's own
+    for name in ("ProcessPoolExecutor", "multiprocessing"):  # put back after the test
+        monkeypatch.setattr(remote_uploader, name, getattr(remote_uploader, name))
+    init = RemoteUploaderDownloader.__init__
+    monkeypatch.setattr(init, "__defaults__", init.__defaults__)
+    upload_in_threads()
+    upload_in_threads()  # twice: no change
+
+    uploader = remote_uploader.RemoteUploader(remote_folder="s3://bucket/run/checkpoints")
+    try:
+        for pool in (uploader.upload_executor, uploader.check_remote_files_exist_executor):
+            assert pool.submit(os.getpid).result() == os.getpid()
+        assert isinstance(uploader.is_remote_upload_failed, threading.Event)
+    finally:
+        uploader.wait_and_close()
+    assert RemoteUploaderDownloader(bucket_uri="s3://bucket")._proc_class is threading.Thread
+    assert inspect.signature(RemoteUploaderDownloader).parameters["use_procs"].default is False

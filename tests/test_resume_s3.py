@@ -5,7 +5,7 @@ bitwise identical to an uninterrupted run. Its data are read from the bucket too
 that starts empty.
 
 Composer 0.32 stages a remote save_folder's checkpoints in a temporary folder and uploads them
-asynchronously, from processes it spawns at the start of each run.
+asynchronously (from threads of the run: compat.composer.upload_in_threads).
 """
 
 import json
