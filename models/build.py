@@ -1,6 +1,7 @@
 """`build_model(preset, **options)`: a preset's architecture, optionally with pretrained components,
 the objective options, and the speed/memory switches."""
 
+import inspect
 import json
 import logging
 import re
@@ -24,7 +25,7 @@ from transformers import (
 
 from compat.diffusers import AttnProcessor
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
-from models.mmdit import RectifiedFlowTransformer
+from models.mmdit import LOSS_WEIGHTINGS, RectifiedFlowTransformer
 from models.presets import PRESETS, build_components, denoiser_name, family
 from models.sdxl import StableDiffusionXL
 from models.sharding import GRANULARITIES
@@ -219,34 +220,12 @@ def build_model(
         master weights and moments (extensions/master_weights.py). The frozen VAE and text encoders
         stay as they are.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    objective, pretrained_components, lora = _checked(
+        preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
+        zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, attention,
+        fsdp_wrap, activation_checkpointing, lora, param_dtype,
+    )  # fmt: skip
     kind = family(preset)
-    objective = dict(
-        prediction_type=prediction_type,
-        offset_noise=offset_noise,
-        min_snr_gamma=min_snr_gamma,
-        zero_terminal_snr=zero_terminal_snr,
-        timestep_mean=timestep_mean,
-        timestep_std=timestep_std,
-        timestep_shift=timestep_shift,
-        loss_weighting=loss_weighting,
-    )
-    _check_family_options(preset, objective)
-    if pretrained_components is None:
-        pretrained_components = (denoiser_name(preset), "vae", "text_encoder", "tokenizer")
-    _check_switches(preset, pretrained_components, attention, lora, fsdp_wrap, activation_checkpointing)
-    if param_dtype not in PARAM_DTYPES:
-        raise ValueError(f"model.param_dtype={param_dtype!r}; choose one of {list(PARAM_DTYPES)}")
-    pretrained_components = _partners(preset, pretrained_components)
-    if "text_encoder_3" in pretrained_components and pretrained is None:
-        raise ValueError(
-            "pretrained_components names text_encoder_3 (T5), which loads only from model.pretrained: "
-            "a T5 tokenizer cannot be built offline"
-        )
-    if lora is not None:
-        lora = check_lora_options(lora, pretrained, pretrained_components)
-
     parts = _parts(preset, pretrained, pretrained_components)
     options = _objective(preset, parts, pretrained_components if pretrained else (), objective)
     denoiser = parts[denoiser_name(preset)]
@@ -272,6 +251,58 @@ def build_model(
     )
     model.lora = lora
     return model
+
+
+def check_model_options(preset: str, **options) -> None:
+    """The checks `build_model` makes before it builds anything, alone: a run config's `model:`
+    section is checked when it is parsed, before the data are prepared (recipes/config.py)."""
+    bound = inspect.signature(build_model).bind(preset, **options)
+    bound.apply_defaults()
+    args = bound.arguments
+    _checked(
+        preset, args["pretrained"], args["pretrained_components"], args["prediction_type"],
+        args["offset_noise"], args["min_snr_gamma"], args["zero_terminal_snr"], args["timestep_mean"],
+        args["timestep_std"], args["timestep_shift"], args["loss_weighting"], args["attention"],
+        args["fsdp_wrap"], args["activation_checkpointing"], args["lora"], args["param_dtype"],
+    )  # fmt: skip
+
+
+def _checked(
+    preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
+    zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, attention,
+    fsdp_wrap, activation_checkpointing, lora, param_dtype,
+):  # fmt: skip
+    """build_model's options checked: (objective keywords, components to load, LoRA options)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    objective = dict(
+        prediction_type=prediction_type,
+        offset_noise=offset_noise,
+        min_snr_gamma=min_snr_gamma,
+        zero_terminal_snr=zero_terminal_snr,
+        timestep_mean=timestep_mean,
+        timestep_std=timestep_std,
+        timestep_shift=timestep_shift,
+        loss_weighting=loss_weighting,
+    )
+    _check_family_options(preset, objective)
+    if loss_weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"model.loss_weighting={loss_weighting!r}; choose one of {list(LOSS_WEIGHTINGS)}")
+    if pretrained_components is None:
+        pretrained_components = (denoiser_name(preset), "vae", "text_encoder", "tokenizer")
+    _check_switches(preset, pretrained_components, attention, lora, fsdp_wrap, activation_checkpointing)
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"model.param_dtype={param_dtype!r}; choose one of {list(PARAM_DTYPES)}")
+    pretrained_components = _partners(preset, pretrained_components)
+    if "text_encoder_3" in pretrained_components and pretrained is None:
+        raise ValueError(
+            "pretrained_components names text_encoder_3 (T5), which loads only from model.pretrained: "
+            "a T5 tokenizer cannot be built offline"
+        )
+    if lora is not None:
+        lora = check_lora_options(lora, pretrained, pretrained_components)
+
+    return objective, pretrained_components, lora
 
 
 def _check_switches(

@@ -162,7 +162,6 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
             raw[section] = {k: v for k, v in raw[section].items() if v is not None}
     run = _build(RunConfig, raw, "")
     _check_model_keys(run.model)
-    _refuse(model_values_problem(run.model))
     for split in ("train", "eval"):
         if (data := getattr(run.data, split)) is not None:
             _refuse(resolution_problem(run.model["preset"], f"data.{split}", data.resolution))
@@ -243,6 +242,15 @@ def _check_model_keys(model: dict) -> None:
     for key in model:
         if key not in params:
             raise _unknown_key("model", key, params)
+    _refuse(model_values_problem(model))
+    from models.build import build_model, check_model_options
+
+    if MODELS[model["preset"]] is build_model:  # the `-vae` presets' builder has no such options
+        try:
+            check_model_options(**model)
+        except (ValueError, TypeError) as err:
+            message = str(err)
+            raise ConfigError(message if message.startswith("model") else f"model: {message}") from err
 
 
 def _check_trainer_keys(trainer: dict) -> None:
@@ -271,7 +279,9 @@ def _check_target(spec: Any, where: str, supplied: tuple[str, ...] = ()) -> None
         target = get_object(spec["_target_"])
         params = inspect.signature(target).parameters
     except Exception as err:  # noqa: BLE001 - an unimportable target is a config error, whatever the cause
-        raise ConfigError(f"'{where}._target_': cannot import {spec['_target_']!r} ({err})") from err
+        raise ConfigError(
+            f"'{where}._target_': cannot import {spec['_target_']!r} ({_import_hint(spec['_target_'], err)})"
+        ) from err
     kwargs = {k: v for k, v in spec.items() if not k.startswith("_")}  # _partial_ etc. are Hydra's
     kinds = inspect.Parameter
     if not any(p.kind == kinds.VAR_KEYWORD for p in params.values()):  # **kwargs takes anything
@@ -293,6 +303,20 @@ def _check_target(spec: Any, where: str, supplied: tuple[str, ...] = ()) -> None
             raise ConfigError(f"'{where}.{key}' must be a number, got {value!r}")
         if isinstance(value, dict) and "_target_" in value:
             _check_target(value, f"{where}.{key}")
+
+
+def _import_hint(target: str, err: Exception) -> str:
+    """Why `target` does not import, in one line, with the nearest name its module has."""
+    import importlib
+
+    module_name, _, name = str(target).rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:  # noqa: BLE001 - the module itself is the problem
+        cause = err.__cause__ or err
+        return " ".join(str(cause).split()).split(" Are you sure")[0]
+    close = difflib.get_close_matches(name, [n for n in dir(module) if not n.startswith("_")], n=1)
+    return f"{module_name} has no {name!r}" + (f"; did you mean '{module_name}.{close[0]}'?" if close else "")
 
 
 _NUMBER_ANNOTATION_NAMES = {"int", "float", "None", "Optional", "Union", "Tensor"}

@@ -47,14 +47,8 @@ def check_data(data_cfg, key: str, preset: str, global_batch: int | None) -> Non
 
 
 def _index(where: str, remote: str | None, local: str | None, timeout: float) -> dict:
-    if remote is None and local is not None:
-        folder = Path(local)
-        if not folder.exists():
-            raise ValueError(f"{where}.local={local} does not exist")
-        if not folder.is_dir():
-            raise ValueError(f"{where}.local={local} is a file, not an MDS folder")
-        if not (folder / "index.json").is_file():
-            raise ValueError(not_mds(where, folder))
+    if remote is None and local is not None and (problem := local_problem(where, local)):
+        raise ValueError(problem)
     try:
         return read_index(remote, local, timeout)
     except json.JSONDecodeError as err:
@@ -65,6 +59,18 @@ def _index(where: str, remote: str | None, local: str | None, timeout: float) ->
         raise ValueError(
             f"{where}: cannot read {remote or local}/index.json ({type(err).__name__}: {err})"
         ) from err
+
+
+def local_problem(where: str, local: str) -> str | None:
+    """What is wrong with a local folder given as an MDS set: missing, a file, not MDS; else None."""
+    folder = Path(local)
+    if not folder.exists():
+        return f"{where}.local={local} does not exist"
+    if not folder.is_dir():
+        return f"{where}.local={local} is a file, not an MDS folder"
+    if not (folder / "index.json").is_file():
+        return not_mds(where, folder)
+    return None
 
 
 def not_mds(where: str, folder: Path) -> str:

@@ -25,7 +25,7 @@ from data.loader import ImageCaptionDataConfig, bucket_sizes
 from data.streams import resolve_streams
 from data.synthetic import write_shapes_folder
 from recipes.config import ConfigError
-from recipes.data_checks import not_mds
+from recipes.data_checks import local_problem
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,13 @@ def prepare_pretrained(folder: str | None, recipe: str) -> None:
         recipe = str(ENTRY.parent / recipe)  # a repo path like yamls/tiny-vae.yaml, run from elsewhere
     if not Path(recipe).is_file():
         raise ConfigError(f"prepare_pretrained: no recipe at {recipe} (to write model.pretrained={folder})")
+    writes = pretrained_folder_of(recipe)
+    if writes is None or Path(writes).resolve() != Path(folder).resolve():
+        # A typo in model.pretrained: running the recipe would write (over) its own folder, not this one.
+        raise ConfigError(
+            f"model.pretrained={folder} does not exist (prepare_pretrained runs {recipe}, which writes "
+            f"{writes}); fix the path, or set model.pretrained={writes}"
+        )
     lock_path = Path(folder).parent / f".{Path(folder).name}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "w") as lock:
@@ -65,6 +72,15 @@ def prepare_pretrained(folder: str | None, recipe: str) -> None:
             )
         if not Path(folder).exists():
             raise ConfigError(f"prepare_pretrained: {recipe} finished but wrote no {folder}")
+
+
+def pretrained_folder_of(recipe: str) -> str | None:
+    """The pipeline folder `recipe` writes: its `callbacks.save_pretrained.folder`."""
+    from recipes.config import load_config
+
+    callbacks = load_config(recipe).get("callbacks") or {}
+    spec = callbacks.get("save_pretrained") or {}
+    return spec.get("folder")
 
 
 # 2,048 images: about 170 per (colour, shape) pair, at random places and sizes, so the demo's
@@ -191,9 +207,8 @@ def ensure_dataset(cfg: ImageCaptionDataConfig, size_multiple: int = 64, key: st
             raise ValueError(f"{key}.prepare={cfg.prepare!r} writes to `local`; set {key}.local to a folder")
         if cfg.prepare not in PREPARERS:
             raise ValueError(f"{key}.prepare={cfg.prepare!r} is not one of {sorted(PREPARERS)}")
-        if Path(cfg.local).exists() and not Path(cfg.local, "index.json").exists():
-            # The user's own folder (photos, say): never build into it or next to it.
-            raise ValueError(not_mds(key, Path(cfg.local)))
+        if Path(cfg.local).exists() and (problem := local_problem(key, cfg.local)):
+            raise ValueError(problem)  # the user's own folder (photos, say): never build into it
         if not Path(cfg.local, "index.json").exists():
             log.warning(
                 "%s.local=%s is missing: making the synthetic %r set there (%s.prepare=%s; set it to "
@@ -201,10 +216,7 @@ def ensure_dataset(cfg: ImageCaptionDataConfig, size_multiple: int = 64, key: st
             )  # fmt: skip
         PREPARERS[cfg.prepare](cfg.local)
     elif cfg.streams is None and cfg.remote is None and not Path(cfg.local, "index.json").exists():
-        missing = not Path(cfg.local).exists()
-        raise FileNotFoundError(
-            f"{key}.local={cfg.local} does not exist" if missing else not_mds(key, Path(cfg.local))
-        )
+        raise FileNotFoundError(local_problem(key, cfg.local))
     if cfg.streams is not None or cfg.buckets or cfg.remote is not None:
         specs = resolve_streams(cfg)
         if cfg.buckets:

@@ -31,11 +31,12 @@ from extensions.checkpointing import install_atomic_checkpoint_writes
 from extensions.master_weights import MasterWeightAdamW, needs_masters
 from extensions.persistent_grads import PersistentGradients
 from models import build
-from models.build import MODEL_CLASSES
+from models.build import MODEL_CLASSES, check_pretrained
 from models.presets import size_multiple
 from models.record import ModelRecord, describe
 from models.torch_compile import compiles_with_cudagraphs
 from recipes.config import ConfigError, RunConfig, check_device, parse_config
+from recipes.data_checks import check_data
 from recipes.load_check import resume_and_check
 from recipes.prepare import ensure_dataset, prepare_pretrained
 from recipes.scaling import BatchPlan, plan_batches
@@ -67,6 +68,8 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
         try:
             if data_cfg is not None:
                 ensure_dataset(data_cfg, _size_multiple(run.model["preset"]), key=f"data.{split}")
+                batch = run.global_train_batch_size if split == "train" else None
+                check_data(data_cfg, f"data.{split}", run.model["preset"], batch)
         except (FileNotFoundError, ValueError) as err:  # ensure_dataset's own messages name the key
             message = str(err)
             raise ConfigError(
@@ -74,6 +77,11 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
             ) from err
     if run.prepare_pretrained is not None:
         prepare_pretrained(run.model.get("pretrained"), run.prepare_pretrained)
+    if run.model.get("pretrained") is not None:
+        try:
+            check_pretrained(run.model["pretrained"])  # before the model: a typo is one line
+        except FileNotFoundError as err:
+            raise ConfigError(str(err)) from err
 
     # The checkpoint a rerun resumes from: one decision for all ranks (recipes/resume.py), local or
     # remote; it, or the run's load_path, checked against the model before anything trains.
@@ -139,7 +147,10 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
     """
     plan = _plan(run, world_size)
     batch_size = plan.per_device_batch
-    model = build(**run.model)
+    try:
+        model = build(**run.model)
+    except FileNotFoundError as err:  # model.pretrained's folder or one of its components is missing
+        raise ConfigError(str(err)) from err
     multiple = _size_multiple(run.model["preset"])
     # What an SDXL model reads besides the image and tokens (data/image_caption.py); SD: nothing.
     extra = dict(
@@ -213,7 +224,10 @@ def _optimizer(spec: dict, trainable: list[torch.nn.Parameter]) -> torch.optim.O
 def _trainer_options(trainer: dict, plan: BatchPlan) -> dict:
     """`run.trainer` for composer.Trainer, with the microbatch the plan uses in place of the cap
     (Composer would run the cap itself: a microbatch larger than the per-device batch, or one that
-    leaves a smaller last microbatch)."""
+    leaves a smaller last microbatch), and autoresume off for a run that saves nothing
+    (`save_folder: null`: nothing to resume from; Composer would refuse the pair)."""
+    if trainer.get("save_folder") is None and trainer.get("autoresume"):
+        trainer = {**trainer, "autoresume": False}
     if trainer.get("device_train_microbatch_size") is None:  # unset: Composer's default, one microbatch
         return trainer
     return {**trainer, "device_train_microbatch_size": plan.microbatch}
@@ -241,6 +255,8 @@ def train(cfg: RunConfig | DictConfig | dict) -> Trainer:
     `build_trainer` + `fit()` must call `trainer.close()` itself.
     """
     trainer = build_trainer(cfg)
+    if _finished(trainer):
+        return trainer
     try:
         trainer.fit()
     except BaseException:
@@ -251,6 +267,23 @@ def train(cfg: RunConfig | DictConfig | dict) -> Trainer:
         raise
     trainer.close()
     return trainer
+
+
+def _finished(trainer: Trainer) -> bool:
+    """A rerun of a run that reached max_duration (autoresume loaded its last checkpoint): say so and
+    train nothing, where Composer's fit() would raise "No training would occur"."""
+    state = trainer.state
+    if state.max_duration is None or state.timestamp.get(state.max_duration.unit) < state.max_duration:
+        return False
+    log.warning(
+        "run %s is complete: its newest checkpoint has trained %s of trainer.max_duration=%s; nothing "
+        "to do (raise trainer.max_duration to train on)",
+        state.run_name,
+        state.timestamp.get(state.max_duration.unit),
+        state.max_duration,
+    )
+    trainer.close()
+    return True
 
 
 def _mark_mlflow_runs_failed(trainer: Trainer) -> None:
