@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     start = time.perf_counter()
     latents, encoder = precompute_latents(load_config(recipe, quick["sd"]), quick["prompts"])
-    sd_trainer = train(load_config(recipe, DATA_WORKERS + quick["sd"] + latents))
+    sd_cfg = load_config(recipe, DATA_WORKERS + quick["sd"] + latents)
+    sd_trainer = train(sd_cfg)
     times["sd"] = time.perf_counter() - start
     trained = sd_trainer.state.model.state_dict()
     text_encoders = {k: v for k, v in encoder.state_dict().items() if k.startswith("text_encoder")}
@@ -195,7 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
         result = evaluate(sd_trainer.state.model, out / "samples", quick["per_prompt"], seed=0, **prompts)
     times["eval"] = time.perf_counter() - start
     sd_trainer.close()
-    checkpoint = Path(sd_trainer.saved_checkpoints[-1])
+    # A rerun of the demo continues its runs (autoresume); one that had finished saves nothing new.
+    saved = sd_trainer.saved_checkpoints or [Path(sd_cfg.trainer.save_folder, "latest-rank0.pt").resolve()]
+    checkpoint = Path(saved[-1])
 
     start = time.perf_counter()
     # A fresh model: the previous demo's images (same checkpoint path) must not be reused.
