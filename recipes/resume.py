@@ -48,6 +48,8 @@ class ResumeError(ValueError):
 
 
 SAVE_FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"  # composer.Trainer's default save_filename
+# What extensions.callbacks.NaNGuard saves the last good state as, beside the interval checkpoints.
+LAST_GOOD = "last-good-ba{batch}-rank{rank}.pt"
 # Fields of a save_filename that hold the rank-0 file's values; any other field is a number or a time.
 RANK_ZERO = {"rank": "0", "local_rank": "0", "node_rank": "0"}
 
@@ -153,15 +155,18 @@ def on_rank_zero(work):
     return value
 
 
-def local_checkpoints(folder: Path, pattern: re.Pattern) -> list[tuple[int, str, int]]:
-    """(batch, path, size) of every checkpoint under `folder` named by `pattern` (rank 0's files;
-    a non-sharded checkpoint is rank 0's file alone), newest first. Temporary files of a write in
-    progress or killed (`.tmp-PID-NAME`), symlinks (`latest`) and files renamed aside never match."""
+def local_checkpoints(folder: Path, *patterns: re.Pattern) -> list[tuple[int, str, int]]:
+    """(batch, path, size) of every checkpoint under `folder` named by one of `patterns` (rank 0's
+    files; a non-sharded checkpoint is rank 0's file alone), newest first (by batch, then time).
+    Temporary files of a write in progress or killed (`.tmp-PID-NAME`), symlinks (`latest`) and
+    files renamed aside never match."""
     found = []
     for root, _, names in os.walk(folder):
         for name in names:
             path = Path(root, name)
-            if path.is_symlink() or (match := pattern.match(path.relative_to(folder).as_posix())) is None:
+            relative = path.relative_to(folder).as_posix()
+            match = next((m for pattern in patterns if (m := pattern.match(relative))), None)
+            if match is None or path.is_symlink():
                 continue
             try:
                 stat = path.stat()
@@ -260,7 +265,9 @@ def local_autoresume(trainer: dict, run_name: str) -> dict:
         log.warning("save_filename=%r has no {batch}: autoresume left to Composer", save_filename)
         return trainer
     folder = Path(format_name_with_dist(str(folder), run_name))
-    listed = on_rank_zero(lambda: local_checkpoints(folder, pattern))
+    # With NaNGuard's last good state, saved when a run stopped at a NaN: the rerun resumes from it.
+    last_good = checkpoint_pattern(LAST_GOOD, run_name)
+    listed = on_rank_zero(lambda: local_checkpoints(folder, pattern, last_good))
     seen = dist.all_gather_object(_seen_whole(listed))
     everywhere = [path for _, path, _ in listed if all(path in rank_seen for rank_seen in seen)]
     decision = on_rank_zero(lambda: _choose(listed, everywhere, folder))

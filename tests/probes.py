@@ -109,6 +109,8 @@ class KillDuringSave(Callback):
         real_save = torch.save
 
         def torn_save(obj, f, *args, **kwargs):  # composer writes a checkpoint with torch.save(obj, f)
+            if not (isinstance(obj, dict) and "state" in obj):  # torch.distributed pickling (the RNG gather)
+                return real_save(obj, f, *args, **kwargs)
             buffer = io.BytesIO()
             real_save(obj, buffer, *args, **kwargs)
             data = buffer.getvalue()
@@ -142,3 +144,22 @@ class AwaitRemoteCheckpoint(Callback):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"the checkpoint of batch {self.batch - 1} did not reach {folder}")
+
+
+class KillBeforeLatest(Callback):
+    """SIGKILLs this process once the checkpoint of batch `batch` is in place and Composer has removed
+    the `latest` symlink to point it anew (composer/callbacks/checkpoint_saver.py deletes, then links):
+    the folder then has the new checkpoint and no `latest`, which Composer's own autoresume read as
+    "no checkpoint" and restarted at batch 0."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if int(state.timestamp.batch) != self.batch or dist.get_global_rank() != 0:
+            return
+
+        def killed_symlink(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        os.symlink = killed_symlink  # the next symlink is this batch's `latest` (BATCH_CHECKPOINT follows)

@@ -163,3 +163,11 @@ def test_a_missing_or_torn_load_path_is_one_line(tmp_path):
     torn.write_bytes(checkpoint(torn, 1)[:100])
     assert load_path_problem(str(torn), Tiny(4), "tiny").startswith(f"trainer.load_path: {torn} is truncated")
     assert load_path_problem(str(tmp_path), Tiny(4), "tiny") is None  # a sharded checkpoint: Composer's
+
+
+def test_the_last_good_state_a_nan_stop_saved_is_resumed_from(tmp_path):
+    for batch in (4, 8):
+        checkpoint(tmp_path / f"ep{batch // 4}-ba{batch}-rank0.pt", batch)
+    checkpoint(tmp_path / "last-good-ba9-rank0.pt", 9)  # extensions.callbacks.NaNGuard: batch 10 was NaN
+    trainer = {"save_folder": str(tmp_path), "autoresume": True}
+    assert local_autoresume(trainer, "run")["load_path"] == str(tmp_path / "last-good-ba9-rank0.pt")
