@@ -6,7 +6,7 @@ answers at once.
 
 import argparse
 
-from convert.images import ENCODE_FORMATS
+from convert.images import ENCODE_FORMATS, MIN_SIDE
 
 DESCRIPTION = """Convert image-caption data to MDS shards (mosaicml-streaming), locally or to S3.
 
@@ -15,7 +15,7 @@ completion marker; rerunning the same command skips finished inputs and redoes u
 (another source or other options on the same --out stop with an error), and the top-level
 index.json, merged at the end, names only finished shards. Bad samples (truncated,
 empty or non-image files, decompression bombs, unusable captions, unsafe tar paths, ...) are skipped
-and counted by reason in convert-report.json, written beside the output."""
+and counted by reason in convert-report.json, written at the top of --out (<out>/convert-report.json)."""
 
 EPILOG = """examples:
   sd-convert folder --src photos/ --out data/photos
@@ -46,6 +46,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
@@ -134,7 +141,12 @@ def _image_options(img) -> None:
 
 def _filter_options(flt) -> None:
     flt.add_argument(
-        "--min-side", type=int, default=0, help="skip images whose shorter side is below this (pixels)"
+        "--min-side",
+        type=_non_negative,
+        default=MIN_SIDE,
+        metavar="PX",
+        help="skip images whose shorter side is below PX pixels, counted as filtered_min_side: training "
+        f"would upscale them into blur (default {MIN_SIDE}; 0 keeps every image)",
     )
     flt.add_argument("--min-aesthetic", type=float, help="skip samples with an aesthetic score below this")
     flt.add_argument(

@@ -29,6 +29,10 @@ PASS_MODES = {"RGB", "L", "P", "1"}  # what a reader's convert("RGB") turns into
 ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
 LOSSLESS_FORMATS = {"PNG", "GIF", "BMP", "TIFF", "PPM", "TGA", "QOI", "ICO"}
 ENCODE_FORMATS = ("auto", "jpeg", "png", "webp")
+# Images whose shorter side is below this many pixels are skipped by default: a 1-pixel image would
+# train as a 256 px blur (the loader resizes every image up to the training size). 16 keeps the
+# smallest images this repo makes (synthetic shapes: 32 px; the tests' fixtures: 20-48 px).
+MIN_SIDE = 16
 
 
 class SkipSample(Exception):
@@ -46,7 +50,7 @@ class ImageOptions:
     encode_format: str = "auto"  # for re-encoded images; auto: PNG for lossless sources, else JPEG
     encode_quality: int = 95
     max_pixels: int = 64_000_000  # decompression-bomb limit, checked from the header before decoding
-    min_side: int = 0
+    min_side: int = MIN_SIDE  # skip (filtered_min_side) when the shorter side is below it; 0 keeps all
     verify: str = "header"  # "decode": fully decode every image, even ones passed through
 
 

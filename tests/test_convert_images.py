@@ -1,14 +1,16 @@
 """One image or caption at a time: what is kept untouched, repaired, resized, or skipped and why."""
 
 import io
+import json
 import math
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from convert.cli import parse_args
 from convert.common import BASE_COLUMNS, LAION_COLUMNS, Skipped
-from convert.images import ImageOptions, SkipSample, prepare_image
+from convert.images import MIN_SIDE, ImageOptions, SkipSample, prepare_image
 from convert.samples import Options, bucket_name, clean_caption, prepare
 from data.headers import sniff
 from tests.convert_fixtures import (
@@ -19,7 +21,9 @@ from tests.convert_fixtures import (
     jpeg,
     photo,
     pixels,
+    read_mds,
     repairable_images,
+    run_cli,
 )
 
 
@@ -152,6 +156,31 @@ def test_jpeg_draft_decoding_keeps_quality():
 def test_min_side():
     with pytest.raises(SkipSample, match="filtered_min_side"):
         prepare_image(jpeg(60, 20), ImageOptions(min_side=32))
+
+
+def test_tiny_images_are_skipped_and_counted_by_default(tmp_path):
+    """`sd-convert folder` on a 1x1, an 8x8, a 40x12 and a 32x32 image: the first three are below the
+    default --min-side (16) and counted as filtered_min_side in <out>/convert-report.json instead of
+    being trained as a 256 px blur; --min-side 0 keeps them all."""
+    src = tmp_path / "images"
+    src.mkdir()
+    sizes = {"one": (1, 1), "eight": (8, 8), "thin": (40, 12), "kept": (32, 32)}
+    for name, size in sizes.items():
+        (src / f"{name}.png").write_bytes(encode(photo(*size), "PNG"))
+        (src / f"{name}.txt").write_text(f"a {name} image")
+    assert run_cli("folder", "--src", src, "--out", tmp_path / "out") == 0
+    report = json.loads((tmp_path / "out" / "convert-report.json").read_text())
+    assert report["samples_skipped"] == {"filtered_min_side": 3} and report["samples_written"] == 1
+    assert report["options"]["image"]["min_side"] == MIN_SIDE == 16
+    assert [row["key"] for row in read_mds(tmp_path / "out")] == ["kept"]
+    assert run_cli("folder", "--src", src, "--out", tmp_path / "all", "--min-side", "0") == 0
+    assert sorted(row["key"] for row in read_mds(tmp_path / "all")) == sorted(sizes)
+
+
+def test_min_side_must_not_be_negative(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["folder", "--src", "x", "--out", "y", "--min-side", "-1"])
+    assert exit_.value.code == 2 and "--min-side: must be at least 0, got -1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

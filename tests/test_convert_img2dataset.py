@@ -195,7 +195,9 @@ def test_filters(tmp_path):
     assert run_cli(*argv, "--min-aesthetic", "5", "--max-watermark", "0.5", "--min-side", "16") == 0
     report = json.loads((out / "convert-report.json").read_text())
     assert report["samples_written"] == 10 and report["samples_skipped"] == {"filtered_similarity": 10}
-    assert run_cli(*argv, "--min-side", "32", "--out", tmp_path / "out2") == 0
+    # 24 px is below --min-side 32: the ten that pass the similarity filter are all skipped, so nothing
+    # is written and the run exits 1, with every skip counted
+    assert run_cli(*argv, "--min-side", "32", "--out", tmp_path / "out2") == 1
     report = json.loads((tmp_path / "out2" / "convert-report.json").read_text())
     assert report["samples_skipped"] == {"filtered_min_side": 10, "filtered_similarity": 10}
 
