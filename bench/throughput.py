@@ -143,6 +143,7 @@ def measure(
         "batches_per_epoch": int(per_epoch) if per_epoch is not None else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "recipe": str(yaml_path),
+        "preset": str(cfg.model.preset),  # recipes.plan notes a rate used for another preset
         "algorithms": algorithms,
         "loggers": loggers,
         "overrides": overrides,

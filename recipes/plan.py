@@ -12,6 +12,13 @@ writes with `write_throughput`:
 
 Only `img_per_sec_per_gpu` is required; `resolution` is checked against `data.train.resolution`.
 
+The rate is used as given, for whatever model the YAML trains. Above the table the planner says
+which preset the rate was measured on, when it knows (a throughput file records its recipe's
+`preset`), and notes a rate used for another preset; a rate given with `--img-per-sec-per-gpu`
+for any preset but sd2-base gets a note too: this repo has measured only SD2 base's rate (the
+published 137.5 img/s per A100 and its own H100 figures), so sdxl-base (a 2.6 B UNet at 1024 px) or
+sd3-medium planned with it are SD2's rate, not theirs, and their days and cost are lower bounds.
+
 Linear scaling is assumed: images/s per GPU is the same at every GPU count, so GPU-hours and cost
 are the same for every row and only the days shrink. Real scaling is worse: the published SD2 base
 figures (mosaicml/diffusion, 256 px) are 1,100 img/s on 8 A100s (137.5 per GPU) but 11,600 on 128
@@ -29,44 +36,22 @@ import json
 import logging
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from recipes.config import ConfigError, load_config, parse_config
 from recipes.scaling import plan_batches
+from recipes.throughput import Throughput, rate_note, read_throughput, write_throughput
+
+__all__ = ["Throughput", "main", "plan_rows", "rate_note", "read_throughput", "write_throughput"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GPUS = [8, 16, 32, 64, 128, 256]
 DEFAULT_PRICE = 2.0  # $/A100-hour, the price the published mosaicml/diffusion cost figures use
 ROW_KEYS = ["gpus", "per_device_batch", "microbatch", "grad_accum", "images", "days", "gpu_hours", "cost"]
-
-
-@dataclass(frozen=True)
-class Throughput:
-    img_per_sec_per_gpu: float
-    resolution: int | None = None  # the training resolution it was measured at
-    device: str | None = None  # e.g. "8x A100-40GB"; for the record
-    source: str = "--img-per-sec-per-gpu"
-
-
-def write_throughput(path: str | Path, img_per_sec_per_gpu: float, resolution: int, device: str, **extra):
-    """What a throughput benchmark writes for `--throughput-file` (extra keys are kept, not read)."""
-    record = {"img_per_sec_per_gpu": img_per_sec_per_gpu, "resolution": resolution, "device": device, **extra}
-    Path(path).write_text(json.dumps(record, indent=2) + "\n")
-
-
-def read_throughput(path: str | Path) -> Throughput:
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"cannot read throughput file {path}: {err}") from err
-    value = record.get("img_per_sec_per_gpu") if isinstance(record, dict) else None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"throughput file {path} needs a positive 'img_per_sec_per_gpu', got {value!r}")
-    return Throughput(float(value), record.get("resolution"), record.get("device"), source=str(path))
 
 
 def images_to_see(max_duration, global_batch_size: int) -> int:
@@ -242,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ConfigError as err:
         sys.exit(f"config error: {err}")
+    note = rate_note(run.model["preset"], throughput)
+    if note is not None and args.json:  # the table prints it above the rows
+        log.warning("%s", note)
     if throughput.resolution is not None and throughput.resolution != run.data.train.resolution:
         log.warning(
             "throughput in %s was measured at %s px but data.train.resolution is %s px",
@@ -261,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         if failed:
             sys.exit(1)
         return
-    _print_assumptions(args, run, throughput, max_duration, microbatch, rows[0]["images"])
+    _print_assumptions(args, run, throughput, max_duration, microbatch, rows[0]["images"], note)
     print()
     print(format_table(rows))
     if failed:
@@ -284,17 +272,23 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, overrides
 
 
-def _print_assumptions(args, run, throughput: Throughput, max_duration, microbatch, images: int) -> None:
-    """The lines above the table: what the plan starts from (run, throughput, price, microbatch cap)."""
+def _print_assumptions(
+    args, run, throughput: Throughput, max_duration, microbatch, images: int, note: str | None
+) -> None:
+    """The lines above the table: what the plan starts from (run, throughput and the preset it was
+    measured on, price, microbatch cap)."""
     device = f" on {throughput.device}" if throughput.device else ""
+    measured = f", measured on preset {throughput.preset}" if throughput.preset else ""
     print(
-        f"{args.yaml}: global batch {run.global_train_batch_size}, max_duration {max_duration} "
-        f"-> {images:,} images"
+        f"{args.yaml}: preset {run.model['preset']}, global batch {run.global_train_batch_size}, "
+        f"max_duration {max_duration} -> {images:,} images"
     )
     print(
-        f"throughput {throughput.img_per_sec_per_gpu:g} img/s per GPU{device} (from {throughput.source}), "
-        f"${args.price_per_gpu_hour:g} per GPU-hour"
+        f"throughput {throughput.img_per_sec_per_gpu:g} img/s per GPU{device} (from {throughput.source}"
+        f"{measured}), ${args.price_per_gpu_hour:g} per GPU-hour"
     )
+    if note is not None:
+        print(note)
     print(
         "assumes linear scaling: img/s per GPU is the same at every GPU count, so GPU-hours and cost do "
         "not change with it; at large counts real days and cost are higher"

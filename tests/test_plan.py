@@ -109,6 +109,43 @@ def test_the_sd3_medium_recipe_plans_on_8_to_256_gpus(capsys):
     )
 
 
+@pytest.mark.parametrize("recipe, preset", [("sdxl-base", "sdxl-base"), ("sd3-medium", "sd3-medium")])
+def test_a_rate_not_measured_on_the_preset_is_noted_above_the_table(recipe, preset, tmp_path, capsys):
+    """Planning sdxl-base or sd3-medium with SD2's published rate (the flag), or with a throughput
+    file bench/throughput.py wrote for sd2-base, says so above the table: no rate of theirs is
+    measured here. sd2-base with the flag, or a file measured on the run's own preset, gets none."""
+    yaml = str(REPO / f"yamls/{recipe}.yaml")
+    main([yaml, "--gpus", "8", "--img-per-sec-per-gpu", "137.5"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{yaml}: preset {preset}, global batch ")
+    assert out[2] == (
+        f"note: 137.5 img/s per GPU is used for {preset} as given; this repo has measured only sd2-base's "
+        "rate (137.5 img/s per A100 published, the H100 figures in docs/benchmarks.md), so a rate taken from "
+        f"those is SD2's, not {preset}'s: measure {preset} with bench/throughput.py"
+    )
+    sd2 = tmp_path / "throughput-256.json"
+    write_throughput(sd2, 361.8, resolution=256, device="1x H100", recipe=str(REPO / "yamls/sd2-base.yaml"))
+    main([yaml, "--gpus", "8", "--throughput-file", str(sd2)])
+    out = capsys.readouterr().out.splitlines()
+    assert f"(from {sd2}, measured on preset sd2-base)" in out[1]  # read from the file's recipe
+    assert out[2] == (
+        f"note: the rate was measured on preset sd2-base ({sd2}), not {preset}: the days and cost below "
+        f"are sd2-base's rate applied to {preset}; measure {preset} with bench/throughput.py for its own"
+    )
+    own = tmp_path / "own.json"
+    write_throughput(own, 20.0, resolution=256, device="1x H100", preset=preset)
+    main([yaml, "--gpus", "8", "--throughput-file", str(own)])
+    assert "note:" not in capsys.readouterr().out
+    main([str(REPO / "yamls/sd2-base.yaml"), "--gpus", "8", "--img-per-sec-per-gpu", "137.5"])
+    assert "note:" not in capsys.readouterr().out
+
+
+def test_the_note_goes_to_the_log_with_json(capsys, caplog):
+    main([str(REPO / "yamls/sdxl-base.yaml"), "--gpus", "8", "--json", "--img-per-sec-per-gpu", "137.5"])
+    assert json.loads(capsys.readouterr().out)[0]["gpus"] == 8  # stdout stays JSON
+    assert "note: 137.5 img/s per GPU is used for sdxl-base as given" in caplog.text
+
+
 def test_an_error_row_has_no_days_or_cost_and_the_planner_exits_1(sd2_yaml, capsys):
     args = [str(sd2_yaml), "--img-per-sec-per-gpu", "137.5", "--gpus", "8", "24"]
     with pytest.raises(SystemExit) as exit_:
@@ -270,6 +307,7 @@ def test_throughput_benchmark_writes_what_the_planner_reads(shapes_mds, tmp_path
     assert record["resolution"] == 32 and record["global_batch"] == 8 and record["timed_batches"] == 3
     assert record["img_per_sec_per_gpu"] == pytest.approx(8 * record["batches_per_sec"])
     assert record["algorithms"] == [] and "WandBLogger" not in record["loggers"]  # sd2-base has wandb
+    assert record["preset"] == "tiny"  # what it was measured on, for the planner's note
     capsys.readouterr()
     main(
         [str(REPO / "yamls/sd2-base.yaml"), "--gpus", "8", "--json", "--throughput-file", str(out)]
