@@ -1,4 +1,5 @@
-"""Where a rerun resumes from when `trainer.save_folder` is in object storage (`s3://...`).
+"""Where a rerun resumes from (`trainer.autoresume`): one decision, made on rank 0 and broadcast, for a
+`trainer.save_folder` in object storage (`s3://...`) or on a local (shared) disk.
 
 Composer 0.32.1's autoresume does not fit a remote folder:
 - it downloads the remote `latest-rank0.pt` pointer's checkpoint to `os.path.join(save_folder, ...)`,
