@@ -82,4 +82,6 @@ def build_autoencoder(preset: str, *, kl_weight: float = 1e-6) -> Autoencoder:
     name = preset.removesuffix("-vae")
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
-    return Autoencoder(AutoencoderKL(**PRESETS[name]["vae"]), kl_weight=kl_weight)
+    model = Autoencoder(AutoencoderKL(**PRESETS[name]["vae"]), kl_weight=kl_weight)
+    model.preset = f"{name}-vae"  # for the checkpoint's model record (models/record.py)
+    return model

@@ -64,7 +64,7 @@ from models.lora import merge_lora, save_lora
 from models.mmdit import RectifiedFlowTransformer
 from models.out_dir import WriteError, check_out_dir, written_into_place
 from models.presets import PRESETS, build_components, family
-from models.record import model_family, read_record, rebuild_model
+from models.record import autoencoder_preset, model_family, read_record, rebuild_model
 from models.sd3_folder import save_sd3_folder
 from models.stable_diffusion import StableDiffusion
 
@@ -145,6 +145,14 @@ def load_model_from_checkpoint(
         predicts (epsilon when None; an mmdit model predicts the flow, and takes no prediction type).
     """
     state = read_checkpoint(path)
+    vae_preset = autoencoder_preset(state)
+    if vae_preset is not None:
+        raise CheckpointError(
+            f"{path} is a checkpoint of an autoencoder run ({vae_preset}): a VAE alone, with no denoiser "
+            "to sample with or export as a pipeline; its run's save_pretrained callback writes the VAE "
+            "(yamls/tiny-vae.yaml: runs/tiny-vae/export), which a diffusion recipe loads with "
+            "model.pretrained and pretrained_components: [vae]"
+        )
     # In fp32 whatever the run trained in: a model.param_dtype=bfloat16 run's weights are its
     # optimizer's fp32 masters (the bf16 ones are those rounded), so it loads, samples and exports
     # at full precision as every other model does.

@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 # (a `family` and the second text encoder and tokenizer: SD-only code would rebuild an SD model
 # without the second encoder); an mmdit record is version 3 (a transformer, no UNet).
 VERSIONS = {"sd": 1, "sdxl": 2, "mmdit": 3}
+# An autoencoder run's record (a `<preset>-vae` preset, models/autoencoder.py): family "vae", its
+# preset and VAE config. Not in VERSIONS: nothing samples with it, so `rebuild` refuses it.
+AUTOENCODER_VERSION = 1
 # The rectified-flow options an mmdit record keeps (models/mmdit.py), besides t5_tokens.
 FLOW_OPTIONS = ("timestep_mean", "timestep_std", "timestep_shift", "loss_weighting")
 
@@ -78,7 +81,16 @@ def record_family(record: dict) -> str:
 
 def describe(model) -> dict:
     """The record of a StableDiffusion, StableDiffusionXL or RectifiedFlowTransformer model (see the
-    module docstring)."""
+    module docstring), or of an Autoencoder (family "vae": its preset and VAE config)."""
+    from models.autoencoder import Autoencoder
+
+    if isinstance(model, Autoencoder):
+        return {
+            "version": AUTOENCODER_VERSION,
+            "family": "vae",
+            "preset": getattr(model, "preset", None),
+            "vae": _plain(model.vae.config),
+        }
     scheduler = _plain(model.noise_scheduler.config)
     family = model_family(model)
     source = getattr(model, "tokenizer_source", None)
@@ -216,6 +228,19 @@ def rebuild_model(record: dict):
     if record.get("tokenizer_3"):
         model.tokenizer_3_source = record["tokenizer_3"]["source"]
     return model
+
+
+def autoencoder_preset(state: dict) -> str | None:
+    """The `<preset>-vae` preset when `state` is an autoencoder run's checkpoint (a VAE alone: no
+    denoiser to sample with or export), by its record or, in one written before autoencoder runs
+    recorded theirs, by its tensors (the VAE's and the latent variance); else None."""
+    record = read_record(state)
+    if record is not None:
+        return (record.get("preset") or "a -vae preset") if record_family(record) == "vae" else None
+    names = [name.removeprefix("module.") for name in state.get("model") or {}]
+    if names and all(name.startswith("vae.") or name == "latent_var" for name in names):
+        return "a -vae preset"
+    return None
 
 
 def read_record(state: dict) -> dict | None:

@@ -30,7 +30,7 @@ from extensions.callbacks import IsolateEvalRng, RestoreRngOnResume
 from extensions.checkpointing import install_atomic_checkpoint_writes
 from extensions.master_weights import MasterWeightAdamW, needs_masters
 from extensions.persistent_grads import PersistentGradients
-from models import build
+from models import Autoencoder, build
 from models.build import MODEL_CLASSES, check_pretrained
 from models.presets import size_multiple
 from models.record import ModelRecord, describe
@@ -193,7 +193,7 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
     callbacks = [instantiate(spec) for spec in run.callbacks.values()]
     if compiles_with_cudagraphs(run.model.get("compile_unet")):  # gradients out of the graphs' memory
         callbacks.append(PersistentGradients(model.denoiser))
-    if isinstance(model, tuple(MODEL_CLASSES.values())):  # every checkpoint says what model it holds
+    if isinstance(model, (*MODEL_CLASSES.values(), Autoencoder)):  # every checkpoint says what it holds
         callbacks.append(ModelRecord(describe(model)))
     return dict(
         run_name=run.run_name,

@@ -1,6 +1,7 @@
 """Checkpoints carry their model record; export and generate rebuild exactly that model without flags."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from diffusers import StableDiffusionPipeline
 from models import build_model
 from models.export import export_pipeline, load_model_from_checkpoint
 from models.generate import load_model
+from models.presets import PRESETS
 from models.record import describe, read_record
 
 PROMPTS = ["a red circle", "a blue square"]
@@ -108,3 +110,58 @@ def test_an_old_checkpoint_loads_by_inference_with_a_warning(v_ztsnr, tmp_path, 
     assert "has no model record" in caplog.text
     assert model.preset == "tiny" and model.prediction_type == "v_prediction"
     assert not model.zero_terminal_snr  # what the record exists for: shapes alone cannot tell
+
+
+@pytest.mark.fit
+def test_an_autoencoder_runs_checkpoint_records_its_preset_and_is_refused_in_one_line(
+    shapes_mds, tmp_path, capsys, caplog
+):
+    """A new tiny-VAE checkpoint (yamls/tiny-vae.yaml) carries a record of family "vae" and preset
+    tiny-vae, so models.export and models.generate say in one line that it is a VAE alone, not that
+    it was "written before checkpoints carried one"; so do ones saved before autoencoder runs
+    recorded theirs (found by their tensors)."""
+    from models import export, generate
+    from models.autoencoder import build_autoencoder
+    from recipes import build_trainer, load_config
+    from tests.conftest import REPO
+
+    overrides = [
+        f"data.train.local={shapes_mds / 'mds'}",
+        "~data.train.prepare",
+        "global_train_batch_size=16",
+        "trainer.max_duration=1ba",
+        f"trainer.save_folder={tmp_path / 'ckpt'}",
+        "trainer.progress_bar=false",
+        f"callbacks.save_pretrained.folder={tmp_path / 'export'}",
+    ]
+    trainer = build_trainer(load_config(REPO / "yamls/tiny-vae.yaml", overrides))
+    trainer.fit()
+    trainer.close()
+    (checkpoint,) = (path for path in (tmp_path / "ckpt").glob("*.pt") if not path.is_symlink())
+    full = torch.load(checkpoint, weights_only=False)
+    record = read_record(full["state"])
+    assert (record["family"], record["preset"], record["version"]) == ("vae", "tiny-vae", 1)
+    assert record["vae"] == describe(build_autoencoder("tiny"))["vae"]  # the tiny preset's VAE config
+
+    del full["state"]["callbacks"]["ModelRecord"]  # as an autoencoder run saved it before
+    torch.save(full, tmp_path / "old-vae.pt")
+    for path, named in ((checkpoint, "tiny-vae"), (tmp_path / "old-vae.pt", "a -vae preset")):
+        line = f"is a checkpoint of an autoencoder run ({named}): a VAE alone, with no denoiser"
+        with caplog.at_level(logging.WARNING), pytest.raises(SystemExit, match=re.escape(line)):
+            export.main([str(path), str(tmp_path / "pipeline")])
+        with pytest.raises(SystemExit, match=re.escape(line)):
+            generate.main([str(path), "a red circle", "--out", str(tmp_path / "grid.png")])
+    assert "has no model record" not in caplog.text
+    assert not (tmp_path / "pipeline").exists() and not (tmp_path / "grid.png").exists()
+
+
+def test_an_autoencoder_is_described_by_its_preset_and_vae():
+    from models.autoencoder import build_autoencoder
+
+    record = describe(build_autoencoder("tiny"))
+    assert record == {
+        "version": 1, "family": "vae", "preset": "tiny-vae", "vae": record["vae"]
+    }  # fmt: skip
+    vae = PRESETS["tiny"]["vae"]
+    assert record["vae"]["latent_channels"] == vae["latent_channels"] == 4
+    assert record["vae"]["block_out_channels"] == list(vae["block_out_channels"])
