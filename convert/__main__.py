@@ -141,15 +141,22 @@ def _finished(report: dict) -> int:
 
 def _latents(args) -> int:
     from convert.common import ConvertError
+    from convert.encoders import recipe_model
     from convert.latents import convert_latents
     from convert.ranks import launched_group
+    from recipes.config import ConfigError
 
+    try:
+        recipe = recipe_model(args.recipe, args.overrides) if args.recipe else None
+    except ConfigError as err:  # the recipe's own mistake, in train.py's words
+        print(f"sd-convert: error: --recipe {args.recipe}: {err}", file=sys.stderr)
+        return 1
     group = launched_group()  # the ranks of composer -n N / torchrun, or this process alone
     try:
         report = convert_latents(
             args.src, args.out, args.resolutions, args.preset, args.pretrained, args.batch_size, args.device,
             workers=args.workers, work_dir=args.work_dir, progress=not args.no_progress,
-            overwrite=args.overwrite, group=group, t5=args.t5,
+            overwrite=args.overwrite, group=group, t5=args.t5, recipe=recipe,
         )  # fmt: skip
     except (ConvertError, OSError, ValueError) as err:
         print(f"sd-convert: error: {err}", file=sys.stderr)

@@ -5,6 +5,8 @@ answers at once.
 """
 
 import argparse
+import re
+import sys
 
 from convert.images import ENCODE_FORMATS, MIN_SIDE
 
@@ -251,11 +253,19 @@ def _latents_parser(sub) -> None:
     lat.add_argument(
         "--resolutions", type=_positive, nargs="+", required=True, help="e.g. 256 512: one column each"
     )
-    lat.add_argument("--preset", default="sd2-base", help="model preset (default sd2-base)")
+    lat.add_argument("--preset", help="model preset (default sd2-base)")
     lat.add_argument(
         "--pretrained",
         help="diffusers-format folder or hub id holding the VAE and text encoder to encode with "
         "(e.g. stabilityai/stable-diffusion-2-base); without it the preset's random weights are used",
+    )
+    lat.add_argument(
+        "--recipe",
+        metavar="YAML",
+        help="encode with the VAE and text encoder(s) of the model this run config trains, built as "
+        "train.py builds it (its seed and model section; KEY=VALUE arguments anywhere are its overrides, "
+        "as for train.py): the tiny recipes' random text encoder beside the VAE they load, e.g. "
+        "yamls/tiny-cpu.yaml; in place of --preset, --pretrained and --t5",
     )
     lat.add_argument("--batch-size", type=_positive, default=16, help="images per forward pass (default 16)")
     lat.add_argument(
@@ -292,12 +302,32 @@ a completion marker: rerunning the same command skips finished inputs and redoes
 merged index.json names finished ones only. A bucketed set keeps its buckets, each encoded at its own
 size. Several processes share the inputs, one GPU each when there are GPUs:
   sd-convert latents --src data/laion --out s3://bucket/laion-latents --resolutions 256 --workers 8
-  composer -n 8 -m convert latents --src data/laion --out data/laion-latents --resolutions 256"""
+  composer -n 8 -m convert latents --src data/laion --out data/laion-latents --resolutions 256
+With a VAE-only folder (the tiny VAE's export), the recipe that trains on it gives the text encoder:
+  sd-convert latents --src runs/data/shapes --out runs/data/shapes-latents --resolutions 32 \
+      --recipe yamls/tiny-cpu.yaml"""
+
+
+# A Hydra override of a --recipe (`seed=3`, `model.pretrained=x`, `~key`, `+key=v`): told apart from
+# option values before argparse, which would give `--resolutions 32 seed=3` the override as a size.
+OVERRIDE = re.compile(r"^(~[\w.]+|[+~]*[A-Za-z_][\w.]*=.*)$")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    latents = argv[:1] == ["latents"]
+    overrides = [arg for arg in argv[1:] if OVERRIDE.match(arg)] if latents else []
+    args = parser.parse_args([arg for arg in argv if arg not in overrides])
+    args.overrides = overrides
     if getattr(args, "center_crop", False) and args.buckets:
         parser.error("--center-crop makes every image square, so --buckets would have nothing to sort")
+    if args.source == "latents":
+        given = [flag for flag, value in (("--preset", args.preset), ("--pretrained", args.pretrained),
+                                          ("--t5", args.t5)) if value]  # fmt: skip
+        if args.recipe and given:
+            parser.error(f"--recipe gives the model: drop {', '.join(given)}")
+        if args.overrides and not args.recipe:
+            parser.error(f"{args.overrides[0]}: KEY=VALUE overrides apply to a --recipe; give one")
+        args.preset = args.preset or "sd2-base"
     return args

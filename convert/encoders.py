@@ -1,18 +1,25 @@
 """The frozen networks that `sd-convert latents` (convert/latents.py) encodes with: a preset's VAE and
 text encoders without its denoiser, making the model's own calls, so precomputed latents stay what
 training on the images would compute. One class per family (SD1/SD2, SDXL, mmdit), built by
-`load_encoders` from a diffusers folder or from the preset's seeded random weights.
+`load_encoders` from a diffusers folder or from the preset's seeded random weights, or by
+`recipe_encoders` from the model a run config trains (`--recipe`: its seed and `model:` section, so
+a random text encoder is the one its training run draws, beside a VAE loaded from model.pretrained).
 """
 
 import json
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from convert.common import ConvertError
 from models.mmdit import RectifiedFlowTransformer
 from models.presets import PRESETS, family
 from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import StableDiffusion
+
+log = logging.getLogger(__name__)
 
 
 class Encoders:
@@ -116,3 +123,134 @@ def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) 
             parts.update({name: load_component(name, pretrained, preset) for name in T5_PARTS})
         return MMDiTEncoders(**parts, t5_tokens=PRESETS[preset]["t5_tokens"])
     return Encoders(**parts)
+
+
+ENCODER_PARTS = ("vae", "text_encoder", "tokenizer")
+
+
+def missing_parts(preset: str, pretrained: str) -> list[str]:
+    """The encoder folders (`vae/`, `text_encoder/`, `tokenizer/`, and SDXL's and SD3's second
+    ones) that a local `pretrained` folder lacks; a hub id is not checked here."""
+    from models.build import _partners
+
+    local = Path(pretrained).expanduser()
+    if not local.is_dir():
+        return []
+    return [name for name in _partners(preset, ENCODER_PARTS) if not (local / name).is_dir()]
+
+
+@dataclass(frozen=True)
+class RecipeModel:
+    """What builds the model a run config (`sd-convert latents --recipe`) trains: its seed and its
+    `model:` section as JSON (hashable, so an Encoder holding it stays a dict key)."""
+
+    seed: int
+    model: str  # json.dumps(run.model, sort_keys=True)
+
+    @property
+    def options(self) -> dict:
+        return json.loads(self.model)
+
+
+def recipe_model(yaml: str, overrides=()) -> RecipeModel:
+    """The seed and `model:` section of the run config `yaml` with Hydra `overrides`, as train.py
+    parses them (recipes.config.ConfigError on a mistake). Reads only: nothing is built."""
+    from recipes.config import load_config, parse_config
+
+    run = parse_config(load_config(yaml, list(overrides)))
+    return RecipeModel(int(run.seed), json.dumps(run.model, sort_keys=True))
+
+
+def recipe_encoders(recipe: RecipeModel) -> Encoders:
+    """The frozen encoders of the model the recipe trains, built as train.py builds it: after
+    composer's `seed_all(seed)`, `models.build(**model)`, so random ones (the tiny recipes' text
+    encoder) are the very weights its training run draws, and loaded ones come from its
+    model.pretrained. The denoiser is dropped. The caller's random states are left as they were."""
+    import random
+
+    import numpy as np
+    from composer.utils import reproducibility
+
+    from models import build
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            reproducibility.seed_all(recipe.seed)
+            model = build(**recipe.options)
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+    return encoders_of(model)
+
+
+def encoders_of(model) -> Encoders:
+    """The VAE, text encoder(s) and tokenizer(s) of a StableDiffusion(XL) or RectifiedFlowTransformer
+    model, as the Encoders class of its family (the same modules: the same outputs)."""
+    parts = dict(vae=model.vae, text_encoder=model.text_encoder, tokenizer=model.tokenizer)
+    if isinstance(model, RectifiedFlowTransformer):
+        return MMDiTEncoders(
+            **parts, text_encoder_2=model.text_encoder_2, tokenizer_2=model.tokenizer_2,
+            t5_tokens=model.t5_tokens, text_encoder_3=model.text_encoder_3,
+            tokenizer_3=model.tokenizer_3 if model.text_encoder_3 is not None else None,
+        )  # fmt: skip
+    if isinstance(model, StableDiffusionXL):
+        return SDXLEncoders(**parts, text_encoder_2=model.text_encoder_2, tokenizer_2=model.tokenizer_2)
+    return Encoders(**parts)
+
+
+def check_encoder_flags(preset: str, pretrained: str | None, t5: bool) -> None:
+    """`sd-convert latents`' --preset, --pretrained and --t5, checked before any input is read: a
+    ConvertError naming the flag and the fix."""
+    from models.build import check_pretrained
+
+    if preset not in PRESETS:
+        raise ConvertError(f"--preset {preset}: unknown; choose one of {sorted(PRESETS)}")
+    if pretrained is not None:
+        try:
+            check_pretrained(pretrained)
+        except FileNotFoundError as err:
+            raise ConvertError(f"--pretrained {pretrained}: {err}") from None
+        missing = missing_parts(preset, pretrained)
+        if missing:
+            raise ConvertError(
+                f"--pretrained {pretrained} has no {', '.join(m + '/' for m in missing)} (a VAE-only export "
+                "such as runs/tiny-vae/export?): give --recipe YAML instead, e.g. --recipe "
+                "yamls/tiny-cpu.yaml, to encode with the VAE and text encoder that recipe trains with"
+            )
+    else:
+        log.warning("no --pretrained: encoding with the %s preset's random weights", preset)
+    if t5 and family(preset) != "mmdit":
+        raise ConvertError(f"--t5: preset {preset!r} (family {family(preset)}) reads no T5 context")
+    if t5 and not has_t5(pretrained):
+        raise ConvertError(
+            "--t5 needs --pretrained, a folder (or hub id) with text_encoder_3/ and tokenizer_3/"
+        )
+    if not t5 and family(preset) == "mmdit" and has_t5(pretrained):
+        log.info(
+            "--pretrained %s has a T5 (text_encoder_3); not storing its context without --t5", pretrained
+        )
+
+
+def recipe_settings(recipe: RecipeModel) -> tuple[str, str | None, bool]:
+    """(preset, pretrained, t5) of the model a --recipe builds, checked: a recipe that trains a VAE
+    alone (no text encoder) or whose model.pretrained is missing is a ConvertError."""
+    from models.build import check_pretrained
+
+    model = recipe.options
+    preset, pretrained = model["preset"], model.get("pretrained")
+    if preset.endswith("-vae"):
+        raise ConvertError(
+            f"--recipe: its model.preset is {preset}, a VAE alone (no text encoder): give the recipe that "
+            "trains on its latents, e.g. yamls/tiny-cpu.yaml"
+        )
+    if pretrained is not None:
+        try:
+            check_pretrained(pretrained)
+        except FileNotFoundError as err:
+            raise ConvertError(
+                f"--recipe: {err}; train.py makes it first when the recipe has prepare_pretrained "
+                "(yamls/tiny-cpu.yaml: python train.py yamls/tiny-vae.yaml)"
+            ) from None
+    components = model.get("pretrained_components") or []
+    return preset, pretrained, pretrained is not None and any(name in components for name in T5_PARTS)

@@ -38,15 +38,24 @@ import numpy as np
 import torch
 from PIL import Image
 
-from convert.common import ConvertError, Part, Skipped
-from convert.encoders import Encoders, MMDiTEncoders, SDXLEncoders, has_t5, load_encoders
+from convert.common import Part, Skipped
+from convert.encoders import (
+    Encoders,
+    MMDiTEncoders,
+    RecipeModel,
+    SDXLEncoders,
+    check_encoder_flags,
+    load_encoders,
+    recipe_encoders,
+    recipe_settings,
+)
 from convert.latents_source import source_parts
 from data.buckets import bucket_crop, bucket_ratio, bucket_size, cover_crop
 from data.image_caption import original_size
 from data.latent_dataset import crop_column, latents_column
 from data.transforms import Crop
 from models.mmdit import RectifiedFlowTransformer
-from models.presets import PRESETS, family, size_multiple
+from models.presets import family, size_multiple
 from models.sdxl import StableDiffusionXL
 from models.tokenizer import tokenize
 
@@ -206,9 +215,13 @@ class LatentsOptions:
     buckets: tuple[float, ...] = ()  # the source's, kept
     compression: str | None = None
     shard_size_limit: int = 1 << 26
+    recipe: RecipeModel | None = None  # --recipe: the seed and model section the encoders come from
 
     def digest(self, columns: dict) -> str:
-        blob = json.dumps([dataclasses.asdict(self), columns], sort_keys=True)
+        options = dataclasses.asdict(self)
+        if options["recipe"] is None:  # so outputs written before --recipe existed keep their digest
+            del options["recipe"]
+        blob = json.dumps([options, columns], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -227,6 +240,7 @@ class Encoder:
     device: str | None = None
     workers: int = 1  # processes per rank: with LOCAL_RANK, which GPU each one takes
     t5: bool = False  # an mmdit preset's T5 context too (--t5)
+    recipe: RecipeModel | None = None  # --recipe: the encoders of the model it builds, not the preset's
 
     def process_index(self) -> tuple[int, int]:
         """(this process's index among the node's conversion processes, how many there are)."""
@@ -260,7 +274,12 @@ class Encoder:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             _LOADED.clear()
-            _LOADED[key] = (load_encoders(self.preset, self.pretrained, self.t5).to(device), device)
+            encoders = (
+                recipe_encoders(self.recipe)
+                if self.recipe is not None
+                else load_encoders(self.preset, self.pretrained, self.t5)
+            )
+            _LOADED[key] = (encoders.to(device), device)
             log.info("process %d of %d encodes on %s", index, processes, device)
         return _LOADED[key]
 
@@ -304,39 +323,25 @@ def convert_latents(
     overwrite: bool = False,
     group=None,
     t5: bool = False,
+    recipe: RecipeModel | None = None,
 ) -> dict:
     """Encode the MDS image-caption set at `src` with `preset`'s frozen VAE and text encoder(s) (loaded
     from `pretrained`, a diffusers folder or hub id; random weights without it, for tests; an mmdit
     preset's T5 too with `t5`, from `pretrained`) into `out`
     (a folder or s3:// URI), one input per source input; returns the run's report (convert.report).
-    `workers` processes per rank of `group` (convert.ranks.launched_group) share the inputs."""
+    `workers` processes per rank of `group` (convert.ranks.launched_group) share the inputs.
+    `recipe` (convert.encoders.recipe_model): encode with the model that run config builds instead,
+    its preset, model.pretrained and T5 taking the place of `preset`, `pretrained` and `t5`."""
     from convert.pipeline import convert
 
-    if preset not in PRESETS:
-        raise ConvertError(f"--preset {preset}: unknown; choose one of {sorted(PRESETS)}")
-    if pretrained is not None:
-        from models.build import check_pretrained
-
-        try:
-            check_pretrained(pretrained)
-        except FileNotFoundError as err:
-            raise ConvertError(f"--pretrained {pretrained}: {err}") from None
+    if recipe is not None:
+        preset, pretrained, t5 = recipe_settings(recipe)
+    else:
+        check_encoder_flags(preset, pretrained, t5)
     parts, buckets = source_parts(src)
-    if not pretrained:
-        log.warning("no --pretrained: encoding with the %s preset's random weights", preset)
     resolutions = tuple(resolutions)
-    options = LatentsOptions(resolutions, preset, pretrained, buckets)
-    if t5 and family(preset) != "mmdit":
-        raise ConvertError(f"--t5: preset {preset!r} (family {family(preset)}) reads no T5 context")
-    if t5 and not has_t5(pretrained):
-        raise ConvertError(
-            "--t5 needs --pretrained, a folder (or hub id) with text_encoder_3/ and tokenizer_3/"
-        )
-    if not t5 and family(preset) == "mmdit" and has_t5(pretrained):
-        log.info(
-            "--pretrained %s has a T5 (text_encoder_3); not storing its context without --t5", pretrained
-        )
-    encoder = Encoder(preset, pretrained, resolutions, batch_size, device, workers, t5)
+    options = LatentsOptions(resolutions, preset, pretrained, buckets, recipe=recipe)
+    encoder = Encoder(preset, pretrained, resolutions, batch_size, device, workers, t5, recipe)
     return convert(
         parts, out, options, preset_columns(preset, list(resolutions), t5), source="latents", src=str(src),
         workers=workers,
