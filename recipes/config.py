@@ -177,7 +177,20 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
     if run.scheduler is not None:
         _check_target(run.scheduler, "scheduler")
     _check_values(run)
+    _check_export_folders(run)
     return run
+
+
+def _check_export_folders(run: RunConfig) -> None:
+    """A SavePretrained callback's folder holding another run's export: refused now, not at fit start."""
+    from extensions.save_pretrained import WRITER, check_folder
+
+    for name, spec in run.callbacks.items():
+        if spec.get("_target_") == WRITER and spec.get("folder") is not None:
+            try:
+                check_folder(Path(spec["folder"]), run.run_name)
+            except ValueError as err:
+                raise ConfigError(f"callbacks.{name}.{err}") from err
 
 
 def _unknown_key(path: str, key: str, valid) -> ConfigError:

@@ -120,12 +120,16 @@ def test_prepare_pretrained_finds_a_repo_recipe_from_another_folder(tmp_path, mo
 
     def fake_run(cmd, env):  # stands in for the minute-long VAE recipe: records it, writes the folder
         ran.append(cmd)
-        (tmp_path / "vae").mkdir()
+        (tmp_path / "runs/tiny-vae/export").mkdir(parents=True)
         return SimpleNamespace(returncode=0)
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(subprocess, "run", fake_run)
-    prepare_pretrained(str(tmp_path / "vae"), "yamls/tiny-vae.yaml")
+    # A folder the recipe does not write (a typo) is not "made" by running it over its own export.
+    with pytest.raises(ConfigError, match="model.pretrained=runs/tiny-vae/exprot does not exist"):
+        prepare_pretrained("runs/tiny-vae/exprot", "yamls/tiny-vae.yaml")
+    assert ran == []
+    prepare_pretrained("runs/tiny-vae/export", "yamls/tiny-vae.yaml")
     assert ran and ran[0][-1] == str(REPO / "yamls/tiny-vae.yaml")
     with pytest.raises(ConfigError, match="no recipe at yamls/nope.yaml"):
         prepare_pretrained(str(tmp_path / "other"), "yamls/nope.yaml")

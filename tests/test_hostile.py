@@ -21,6 +21,7 @@ from tests.conftest import REPO
 
 TINY = str(REPO / "yamls" / "tiny-cpu.yaml")
 MMDIT = str(REPO / "yamls" / "tiny-mmdit-cpu.yaml")
+VAE = str(REPO / "yamls" / "tiny-vae.yaml")
 # The tiny recipe on the shapes set, shortened, saving under the world's runs/ folder.
 BASE = {
     "data.train.local": "shapes",
@@ -74,6 +75,9 @@ def world(shapes_mds, tmp_path_factory) -> Path:
     (root / "bad.yaml").write_text("defaults: [_base\nmodel: {preset: tiny\n")
     (root / "notes.txt").write_text("not a dataset")
     (root / "runs" / "tiny-vae" / "export").mkdir(parents=True)
+    (root / "runs" / "other").mkdir()
+    mark = '{"writer": "extensions.save_pretrained.SavePretrained", "run_name": "their-vae"}'
+    (root / "runs" / "other" / "save-pretrained.json").write_text(mark)
     (root / "runs" / "tiny-vae" / "export" / "model_index.json").write_text('{"mine": true}')
     return root
 
@@ -286,6 +290,16 @@ CASES = [
         {"model.pretrained": "nowhere/at/all", "prepare_pretrained": "null"},
         "model.pretrained=nowhere/at/all: no such folder",
     ),  # fmt: skip
+    (
+        "another run's export",
+        {"@": VAE, "callbacks.save_pretrained.folder": "runs/other"},
+        "callbacks.save_pretrained.folder=runs/other holds the export of run 'their-vae'",
+    ),  # fmt: skip
+    (
+        "a pipeline of their own",
+        {"@": VAE, "callbacks.save_pretrained.folder": "runs/tiny-vae/export"},
+        "callbacks.save_pretrained.folder=runs/tiny-vae/export holds files that no SavePretrained",
+    ),  # fmt: skip
     # The command line itself
     ("a key twice", {"optimizer.lr": "1e-3", "=optimizer.lr": "2e-3"}, "'optimizer.lr' is given twice"),
     ("missing recipe", {"@": "yamls/nosuch.yaml"}, "config file yamls/nosuch.yaml does not exist"),
@@ -301,6 +315,8 @@ def argv_of(overrides: dict) -> list[str]:
     }
     args = [f"{k}={v}" for k, v in merged.items() if v is not None]
     args += [f"{k[1:]}={v}" for k, v in overrides.items() if k.startswith("=")]  # a key given twice
+    if recipe == VAE:  # an autoencoder: no text side, no pretrained folder
+        args = [a for a in args if a.split("=")[0] not in ("model.pretrained", "callbacks.samples")]
     if recipe == MMDIT:  # the transformer's recipe at the shapes' size
         args = [a for a in args if not a.startswith("data.train.prepare")] + ["~data.train.prepare"]
     return [recipe, *args]
