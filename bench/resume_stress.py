@@ -9,7 +9,7 @@ EMA). One uninterrupted reference, then per kill a fresh folder: the run is kill
 same command, and its loss at every batch, final UNet and EMA weights must equal the reference's
 bit for bit. Each kill draws, from --seed and its number, a batch and one of these moments:
 
-  group         SIGKILL to every process 0-0.6 s after the batch is logged (the node goes, the OOM
+  group         SIGKILL to every process 0-0.4 s after the batch is logged (the node goes, the OOM
                 killer takes the job): mid-batch, mid-save or between the two
   rank1         SIGKILL to rank 1 alone at the same moments; the launcher then stops rank 0
   in-write      rank 0 SIGKILLed halfway through writing the batch's checkpoint file
@@ -59,8 +59,10 @@ def draw(seed: int, number: int) -> tuple[str, int, float]:
 
     rng = random.Random(f"{seed}-{number}")
     kind = KINDS[number % len(KINDS)] if number < len(KINDS) else rng.choice(KINDS)  # each kind early on
-    batch = rng.randint(1, BATCHES - 1)
-    return kind, batch, rng.uniform(0.0, 0.6) if kind in ("group", "rank1") else 0.0
+    # Not after the last two batches: 0.6 s after batch 6 of 8 the run had ended once, and a kill after
+    # the end tests nothing of a resume.
+    batch = rng.randint(1, BATCHES - 2)
+    return kind, batch, rng.uniform(0.0, 0.4) if kind in ("group", "rank1") else 0.0
 
 
 def kill_at(command: list[str], env: dict, loss_log: Path, kind: str, batch: int, delay: float) -> str:
@@ -113,12 +115,17 @@ def unloadable(folder: Path) -> list[str]:
 def one_kill(number: int, args, data: Path, reference: Path) -> tuple[bool, str]:
     from tests.resume_check import BATCHES, assert_same_run, run, train_command, train_env
 
-    kind, batch, delay = draw(args.seed, number)
+    kind, batch, drawn = draw(args.seed, number)
     out = args.out / f"kill-{number:02d}"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
     command = train_command(2, out, data)
-    what = kill_at(command, train_env(), out / "loss.jsonl", kind, batch, delay)
+    for delay in (drawn, 0.0):
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        what = kill_at(command, train_env(), out / "loss.jsonl", kind, batch, delay)
+        # A kill after the run's end (on an idle machine the last batches take < 0.3 s) tests no resume:
+        # once more, the moment the batch is logged.
+        if len(list(out.glob(f"ckpt/*-ba{BATCHES}-rank0.pt"))) == 0:
+            break
     why = f"kill {number} ({kind} at batch {batch}: {what}); repeat with --seed {args.seed} --first {number}"
     # The probes' kills came where they say: rank 0 SIGKILLed (the launcher exits 9) with half a file
     # under the temporary name, or with the checkpoint in place and no `latest` link.
