@@ -144,11 +144,10 @@ def _latents(args) -> int:
     from convert.encoders import recipe_model
     from convert.latents import convert_latents
     from convert.ranks import launched_group
-    from recipes.config import ConfigError
 
     try:
         recipe = recipe_model(args.recipe, args.overrides) if args.recipe else None
-    except ConfigError as err:  # the recipe's own mistake, in train.py's words
+    except ConvertError as err:  # the recipe's own mistake
         print(f"sd-convert: error: --recipe {args.recipe}: {err}", file=sys.stderr)
         return 1
     group = launched_group()  # the ranks of composer -n N / torchrun, or this process alone

@@ -153,12 +153,48 @@ class RecipeModel:
 
 
 def recipe_model(yaml: str, overrides=()) -> RecipeModel:
-    """The seed and `model:` section of the run config `yaml` with Hydra `overrides`, as train.py
-    parses them (recipes.config.ConfigError on a mistake). Reads only: nothing is built."""
-    from recipes.config import load_config, parse_config
+    """The seed and `model:` section of the run config `yaml` with Hydra `overrides` (only `seed` and
+    `model.*` ones: nothing else changes the encoders), composed as train.py composes it and checked
+    as models.build would (a ConvertError on a mistake). Reads only: nothing is built. Hydra directly,
+    not recipes.config: convert sits below recipes (tests/test_layers.py)."""
+    import inspect
 
-    run = parse_config(load_config(yaml, list(overrides)))
-    return RecipeModel(int(run.seed), json.dumps(run.model, sort_keys=True))
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    from models import MODELS
+    from models.build import build_model, check_model_options
+
+    path = Path(yaml).resolve()
+    if not path.is_file():
+        raise ConvertError(f"--recipe {yaml}: no such file")
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key != "seed" and not key.startswith("model."):
+            raise ConvertError(
+                f"{yaml}: unknown config key {key!r} here: only seed and model.* change the encoders"
+            )
+    try:
+        with initialize_config_dir(config_dir=str(path.parent), version_base=None):
+            cfg = compose(
+                config_name=path.stem, overrides=[o if o[:1] in "+~" else f"++{o}" for o in overrides]
+            )
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    except (HydraException, ValueError) as err:
+        raise ConvertError(f"{yaml}: {' '.join(str(err).split())}") from err
+    model, seed = cfg.get("model"), cfg.get("seed")
+    if not isinstance(model, dict) or model.get("preset") not in MODELS or not isinstance(seed, int):
+        raise ConvertError(f"{yaml}: not a run config with a seed and a model.preset of {sorted(MODELS)}")
+    params = inspect.signature(MODELS[model["preset"]]).parameters
+    if unknown := sorted(set(model) - set(params)):
+        raise ConvertError(f"{yaml}: unknown config key 'model.{unknown[0]}'")
+    if MODELS[model["preset"]] is build_model:
+        try:
+            check_model_options(**model)
+        except (ValueError, TypeError) as err:
+            raise ConvertError(f"{yaml}: {err}") from err
+    return RecipeModel(seed, json.dumps(model, sort_keys=True))
 
 
 def recipe_encoders(recipe: RecipeModel) -> Encoders:

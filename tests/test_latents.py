@@ -116,7 +116,7 @@ def test_latents_of_a_vae_only_export_with_its_recipe_are_the_demos(shapes_mds, 
         (["seed=3"], "seed=3: KEY=VALUE overrides apply to a --recipe; give one"),
         (["--recipe", "yamls/tiny-vae.yaml"], "its model.preset is tiny-vae, a VAE alone (no text encoder)"),
         (["--recipe", "yamls/tiny-cpu.yaml", "model.pretrained=nope"], "--recipe: model.pretrained=nope"),
-        (["--recipe", "yamls/tiny-cpu.yaml", "sed=3"], "yamls/tiny-cpu.yaml: unknown config key 'sed'"),
+        (["--recipe", "yamls/tiny-cpu.yaml", "sed=3"], "yamls/tiny-cpu.yaml: unknown config key 'sed' here"),
     ],
 )
 def test_recipe_mistakes_are_one_line_before_anything_is_written(
