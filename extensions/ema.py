@@ -158,10 +158,7 @@ class EMA(Algorithm):
         self.optimizers = state.optimizers
         if event == Event.FIT_START:
             # Bind now, not at INIT: FSDP replaces the parameters when it wraps the model.
-            self._bind(state.model)
-            if self._loaded is not None:
-                self._restore(self._loaded)
-                self._loaded = None
+            self.bind(state.model)
         if event in (Event.EVAL_START, Event.PREDICT_START):
             self.swap_in()
         elif event in (Event.EVAL_END, Event.PREDICT_END):
@@ -170,6 +167,14 @@ class EMA(Algorithm):
             self.step(int(state.timestamp.batch), update=event == Event.BATCH_END)
 
     # -- the average ---------------------------------------------------------------------------
+    def bind(self, model: torch.nn.Module) -> None:
+        """Average `model`'s trainable parameters, restoring a loaded checkpoint's average. FIT_START
+        calls it; so does a rerun of a finished run, which loads its last checkpoint and never fits."""
+        self._bind(model)
+        if self._loaded is not None:
+            self._restore(self._loaded)
+            self._loaded = None
+
     def _bind(self, model: torch.nn.Module) -> None:
         named = [(_strip_wrappers(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]

@@ -28,6 +28,7 @@ from compat.composer import (
 from data.loader import build_image_caption_dataloader
 from extensions.callbacks import IsolateEvalRng, RestoreRngOnResume
 from extensions.checkpointing import install_atomic_checkpoint_writes
+from extensions.ema import find_ema
 from extensions.master_weights import MasterWeightAdamW, needs_masters
 from extensions.persistent_grads import PersistentGradients
 from models import Autoencoder, build
@@ -271,10 +272,13 @@ def train(cfg: RunConfig | DictConfig | dict) -> Trainer:
 
 def _finished(trainer: Trainer) -> bool:
     """A rerun of a run that reached max_duration (autoresume loaded its last checkpoint): say so and
-    train nothing, where Composer's fit() would raise "No training would occur"."""
+    train nothing, where Composer's fit() would raise "No training would occur". The EMA's average,
+    which it restores at fit start, is restored here, so the returned trainer samples as the run's."""
     state = trainer.state
     if state.max_duration is None or state.timestamp.get(state.max_duration.unit) < state.max_duration:
         return False
+    if (ema := find_ema(state.algorithms)) is not None:
+        ema.bind(state.model)
     log.warning(
         "run %s is complete: its newest checkpoint has trained %s of trainer.max_duration=%s; nothing "
         "to do (raise trainer.max_duration to train on)",

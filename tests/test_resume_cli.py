@@ -55,3 +55,26 @@ def test_load_path_of_another_presets_checkpoint_is_one_config_error(tiny_checkp
     assert message.endswith("set model.preset=tiny, or give a checkpoint of a sdxl-tiny model")
     assert "\n" not in message
     assert not (tmp_path / "ckpt").exists()  # nothing trained or saved
+
+
+def test_a_rerun_of_a_finished_run_trains_nothing_and_keeps_its_ema(
+    tiny_checkpoint, shapes_mds, tmp_path, caplog
+):
+    """tiny_checkpoint is a finished 3-batch run: rerun with its max_duration, the recipe loads it,
+    says it is complete, saves nothing, and the returned trainer holds its weights and EMA average."""
+    from extensions.ema import find_ema
+    from recipes import load_config, train
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(tiny_checkpoint, ckpt / "ep0-ba3-rank0.pt")
+    saved = torch.load(tiny_checkpoint, weights_only=False)["state"]
+    args = overrides(shapes_mds, 3, save_folder=ckpt, autoresume="true")
+    with caplog.at_level(logging.WARNING):
+        trainer = train(load_config(REPO / "yamls/tiny-cpu.yaml", args))
+    assert any("run tiny-cpu is complete" in r.getMessage() for r in caplog.records)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ep0-ba3-rank0.pt"]  # nothing new written
+    assert int(trainer.state.timestamp.batch) == 3
+    average = find_ema(trainer.state.algorithms).averaged_state()
+    (ema_state,) = [v for k, v in saved["algorithms"] if k == "EMA"]
+    assert average and all(torch.equal(average[name], ema_state["ema"][name]) for name in average)
