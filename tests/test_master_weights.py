@@ -211,7 +211,10 @@ def test_offloaded_ema_copies_the_masters(monkeypatch):
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["model.param_dtype=fp16"], r"^model.param_dtype='fp16'; choose one of \[None, 'float32', 'bfloat16'\]"),
+        (
+            ["model.param_dtype=fp16"],
+            r"^model.param_dtype='fp16'; choose one of \[None, 'float32', 'bfloat16'\]",
+        ),
         (
             ["model.param_dtype=bfloat16", "optimizer._target_=torch.optim.Adam"],
             r"^'model.param_dtype' is bfloat16, which needs optimizer._target_ torch.optim.AdamW .* not "
