@@ -16,7 +16,8 @@ def plain_loop(
     preset: str, resolution: int, batch: int, steps: int = 20, warmup: int = 5, device="cuda", profile=None
 ):
     """(img/s, peak GB) of a plain PyTorch loop over the recipe's model, the ceiling the training
-    path is compared with: `model.loss(model(batch))`, backward, fused AdamW, bf16 autocast on CUDA,
+    path is compared with: recipes/reference_step.py's train_step (forward, loss, backward, fused
+    AdamW), bf16 autocast on CUDA,
     on batches already on the device; no Composer, FSDP, callbacks or data loader. With `profile`
     (a path), 3 more steps are profiled and summarised there (bench/profile_summary.py)."""
     import torch
@@ -25,6 +26,7 @@ def plain_loop(
     from models import build_model
     from models.flops import latent_size
     from models.presets import family
+    from recipes.reference_step import train_step
 
     device = torch.device(device)
     torch.manual_seed(0)
@@ -48,12 +50,9 @@ def plain_loop(
     if family(preset) != "sd":
         data["pooled_text_embeds"] = torch.randn(batch, pooled, device=device)
 
-    def step():
+    def step():  # the recipe's step as a plain loop writes it (recipes/reference_step.py), no EMA
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model.loss(model(data), data)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            train_step(model, data, optimizer)
 
     for _ in range(warmup):
         step()
