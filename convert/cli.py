@@ -273,7 +273,7 @@ def _latents_parser(sub) -> None:
         action="store_true",
         help="an mmdit preset (sd3-medium): also store T5's context (text_embeds_3) from --pretrained's "
         "text_encoder_3/; train with model.pretrained_components naming text_encoder_3 (default: off, "
-        "as the recipes train)",
+        "as the recipes train; always on for mmdit-tiny-t5, whose own T5 needs no --pretrained)",
     )
     lat.add_argument(
         "--device",

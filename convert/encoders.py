@@ -15,7 +15,7 @@ import torch
 
 from convert.common import ConvertError
 from models.mmdit import RectifiedFlowTransformer
-from models.presets import PRESETS, family
+from models.presets import PRESETS, bundled_t5, family
 from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import StableDiffusion
 
@@ -110,7 +110,7 @@ def has_t5(pretrained: str | None) -> bool:
 def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) -> Encoders:
     """`preset`'s encoders from `pretrained`, or its random weights drawn from seed 0, so that every
     process of a run (and every run) encodes with the same ones. With `t5`, an mmdit preset's T5
-    from `pretrained` too."""
+    from `pretrained` too (a `bundled_t5` preset's own random one without `pretrained`)."""
     from models.build import build_encoders, load_component
 
     with torch.random.fork_rng(devices=[]):
@@ -119,7 +119,7 @@ def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) 
     if family(preset) == "sdxl":
         return SDXLEncoders(**parts)
     if family(preset) == "mmdit":
-        if t5:
+        if t5 and pretrained is not None:
             parts.update({name: load_component(name, pretrained, preset) for name in T5_PARTS})
         return MMDiTEncoders(**parts, t5_tokens=PRESETS[preset]["t5_tokens"])
     return Encoders(**parts)
@@ -258,7 +258,12 @@ def check_encoder_flags(preset: str, pretrained: str | None, t5: bool) -> None:
         log.warning("no --pretrained: encoding with the %s preset's random weights", preset)
     if t5 and family(preset) != "mmdit":
         raise ConvertError(f"--t5: preset {preset!r} (family {family(preset)}) reads no T5 context")
-    if t5 and not has_t5(pretrained):
+    if t5 and bundled_t5(preset) and pretrained is not None and not has_t5(pretrained):
+        raise ConvertError(
+            f"--preset {preset} reads T5 and --pretrained {pretrained} has no text_encoder_3/ and "
+            "tokenizer_3/: leave out --pretrained (the preset's random T5), or give --recipe YAML"
+        )
+    if t5 and not bundled_t5(preset) and not has_t5(pretrained):
         raise ConvertError(
             "--t5 needs --pretrained, a folder (or hub id) with text_encoder_3/ and tokenizer_3/"
         )
@@ -289,4 +294,5 @@ def recipe_settings(recipe: RecipeModel) -> tuple[str, str | None, bool]:
                 "(yamls/tiny-cpu.yaml: python train.py yamls/tiny-vae.yaml)"
             ) from None
     components = model.get("pretrained_components") or []
-    return preset, pretrained, pretrained is not None and any(name in components for name in T5_PARTS)
+    loads_t5 = pretrained is not None and any(name in components for name in T5_PARTS)
+    return preset, pretrained, loads_t5 or bundled_t5(preset)

@@ -55,7 +55,7 @@ from data.image_caption import original_size
 from data.latent_dataset import crop_column, latents_column
 from data.transforms import Crop
 from models.mmdit import RectifiedFlowTransformer
-from models.presets import family, size_multiple
+from models.presets import PRESETS, bundled_t5, family, size_multiple
 from models.sdxl import StableDiffusionXL
 from models.tokenizer import tokenize
 
@@ -337,6 +337,8 @@ def convert_latents(
     if recipe is not None:
         preset, pretrained, t5 = recipe_settings(recipe)
     else:
+        # A preset with its own T5 (mmdit-tiny-t5) always stores T5's context: its model reads it.
+        t5 = t5 or (preset in PRESETS and bundled_t5(preset))
         check_encoder_flags(preset, pretrained, t5)
     parts, buckets = source_parts(src)
     resolutions = tuple(resolutions)

@@ -13,6 +13,10 @@ section 2.2): `original_size` (height, width) of the image before the converter 
 `original_height`/`original_width` columns, else the stored image's size) and `crop_top_left`
 (top, left) of the training crop in the resized image, as LongTensors (2,). Without the flags a
 sample holds `image` and `input_ids` only (what SD1/SD2 read).
+
+An mmdit model with T5 (models/mmdit.py: `text_encoder_3`) reads `input_ids_3` too: T5's ids of the
+caption, `t5_tokens` long (`tokenizer_3`), as StableDiffusion3Pipeline tokenizes with
+max_sequence_length=t5_tokens.
 """
 
 import functools
@@ -26,7 +30,7 @@ from torchvision.transforms import functional as F
 from data.streaming_base import StreamingBase
 from data.transforms import Crop, SquareTransform, crop_top_left, square_crop
 from models.pixels import to_float
-from models.tokenizer import CaptionEncoder
+from models.tokenizer import CaptionEncoder, tokenize_t5
 
 TOKEN_CACHE_SIZE = 4096  # 4096 x 77 int64 = 2.5 MB per dataset
 
@@ -91,6 +95,8 @@ class ImageCaptionDataset(StreamingBase):
         sizes: list[tuple[int, int]] | None = None,
         tokenizer_2=None,
         micro_conditioning: bool = False,
+        tokenizer_3=None,
+        t5_tokens: int | None = None,
         **streaming_kwargs,
     ):
         super().__init__(**streaming_kwargs)
@@ -98,6 +104,9 @@ class ImageCaptionDataset(StreamingBase):
         self.sizes = sizes
         self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
         self.micro_conditioning = micro_conditioning
+        if tokenizer_3 is not None and not t5_tokens:
+            raise ValueError("tokenizer_3 (T5) needs t5_tokens, the length of its ids")
+        self.tokenizer_3, self.t5_tokens = tokenizer_3, t5_tokens
         self.image_key, self.caption_key = image_key, caption_key
         self.transform = image_transform(resolution)
         self.hflip = hflip
@@ -105,6 +114,7 @@ class ImageCaptionDataset(StreamingBase):
         # in small or synthetic sets) are tokenized once.
         self._token_ids = functools.lru_cache(maxsize=TOKEN_CACHE_SIZE)(self._tokenize)
         self._token_ids_2 = functools.lru_cache(maxsize=TOKEN_CACHE_SIZE)(self._tokenize_2)
+        self._token_ids_3 = functools.lru_cache(maxsize=TOKEN_CACHE_SIZE)(self._tokenize_3)
 
     def _tokenize(self, caption: str):
         # The ids of `tokenize(self.tokenizer, [caption])[0]`, 3-5x faster (models/tokenizer.py).
@@ -112,6 +122,10 @@ class ImageCaptionDataset(StreamingBase):
 
     def _tokenize_2(self, caption: str):
         return self._caption_encoder("_encoder_2", self.tokenizer_2)(caption)
+
+    def _tokenize_3(self, caption: str):
+        # A fast (Rust) tokenizer already: no CaptionEncoder.
+        return tokenize_t5(self.tokenizer_3, [caption], self.t5_tokens)[0]
 
     def _caption_encoder(self, name: str, tokenizer) -> CaptionEncoder:
         # Built at first use, in the process that tokenizes (a DataLoader worker).
@@ -137,6 +151,8 @@ class ImageCaptionDataset(StreamingBase):
         out = {"image": crop.pixels, "input_ids": self._token_ids(caption).clone()}
         if self.tokenizer_2 is not None:
             out["input_ids_2"] = self._token_ids_2(caption).clone()
+        if self.tokenizer_3 is not None:
+            out["input_ids_3"] = self._token_ids_3(caption).clone()
         if self.micro_conditioning:
             out["original_size"] = torch.tensor(original_size(sample, crop.size))
             out["crop_top_left"] = torch.tensor(crop.top_left)

@@ -26,12 +26,12 @@ from transformers import (
 from compat.diffusers import AttnProcessor
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
 from models.mmdit import LOSS_WEIGHTINGS, RectifiedFlowTransformer
-from models.presets import PRESETS, build_components, denoiser_name, family
+from models.presets import PRESETS, build_components, bundled_t5, denoiser_name, family
 from models.sdxl import StableDiffusionXL
 from models.sharding import GRANULARITIES
 from models.sharding import configure as configure_sharding
 from models.stable_diffusion import StableDiffusion
-from models.tokenizer import build_tokenizer
+from models.tokenizer import build_t5_tokenizer, build_tokenizer
 from models.torch_compile import compile_denoiser
 
 log = logging.getLogger(__name__)
@@ -107,11 +107,14 @@ def _partners(preset: str, components) -> list[str]:
 
 
 def bundled_tokenizers(preset: str) -> dict:
-    """The bundled BPE tokenizer(s) of a preset, each with its padding (models/tokenizer.py)."""
+    """The bundled BPE tokenizer(s) of a preset, each with its padding, and a `bundled_t5` preset's
+    offline T5 tokenizer (models/tokenizer.py)."""
     spec = PRESETS[preset]
     tokenizers = {"tokenizer": build_tokenizer(pad_token=spec.get("pad_token", "!"))}
     if family(preset) in ("sdxl", "mmdit"):
         tokenizers["tokenizer_2"] = build_tokenizer(pad_token=spec["pad_token_2"])
+    if bundled_t5(preset):
+        tokenizers["tokenizer_3"] = build_t5_tokenizer()
     return tokenizers
 
 
@@ -119,7 +122,8 @@ def build_encoders(preset: str, pretrained: str | None = None) -> dict:
     """{vae, text_encoder, tokenizer} of `preset` (and text_encoder_2, tokenizer_2 for SDXL and SD3):
     loaded from `pretrained` (a diffusers folder or hub id), else with the preset's random weights. No
     UNet or transformer: what encoding a data set needs (`sd-convert latents`), without the seconds
-    and 3.5 GB a random sd2 UNet costs. (SD3's optional T5 is not among them.)"""
+    and 3.5 GB a random sd2 UNet costs. (SD3's optional T5 is not among them; a `bundled_t5` preset's
+    random T5 and its tokenizer are, without `pretrained`.)"""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     names = _partners(preset, ("vae", "text_encoder", "tokenizer"))
@@ -337,8 +341,10 @@ def _parts(preset: str, pretrained: str | None, pretrained_components: list[str]
     # Components about to be loaded are not built (a random sd2 UNet takes seconds and 3.5 GB).
     loaded = [("noise_scheduler" if name == "scheduler" else name) for name in pretrained_components]
     parts = build_components(preset, skip=loaded if pretrained is not None else ())
-    if pretrained is None or "tokenizer" not in pretrained_components:
-        parts.update(bundled_tokenizers(preset))
+    # Each bundled tokenizer not about to be loaded (the CLIP ones load together: _partners).
+    for name, tokenizer in bundled_tokenizers(preset).items():
+        if pretrained is None or name not in pretrained_components:
+            parts[name] = tokenizer
     if pretrained is None:
         return parts
     check_pretrained(pretrained)

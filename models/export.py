@@ -70,8 +70,8 @@ from models.stable_diffusion import StableDiffusion
 
 log = logging.getLogger(__name__)
 
-# The networks a preset has of these (an mmdit preset's T5 is never built: it loads from a folder).
-COMPONENTS = ("unet", "transformer", "vae", "text_encoder", "text_encoder_2")
+# The networks a preset has of these (an mmdit preset's T5 only when the preset builds it, bundled_t5).
+COMPONENTS = ("unet", "transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 PIPELINES = {
     "sd": StableDiffusionPipeline,
     "sdxl": StableDiffusionXLPipeline,

@@ -71,7 +71,7 @@ from torchmetrics import MeanSquaredError
 from compat.diffusers import DiagonalGaussianDistribution
 from models.flops import transformer_training_flops
 from models.stable_diffusion import StableDiffusion, in_dtype
-from models.tokenizer import tokenize
+from models.tokenizer import tokenize, tokenize_t5
 
 LOSS_WEIGHTINGS = (None, "sigma_sqrt", "cosmap")
 BASE_PIXELS = 256 * 256  # the resolution `timestep_shift: auto` shifts relative to (eq. 23's n)
@@ -287,15 +287,9 @@ class RectifiedFlowTransformer(ComposerModel):
         return self.joint_context(clip, t5), pooled
 
     def tokenize_t5(self, captions: list[str]) -> torch.Tensor:
-        """T5 token ids (B, t5_tokens), as the SD3 pipeline tokenizes with max_sequence_length=t5_tokens."""
-        return self.tokenizer_3(
-            captions,
-            padding="max_length",
-            max_length=self.t5_tokens,
-            truncation=True,
-            add_special_tokens=True,
-            return_tensors="pt",
-        ).input_ids
+        """T5 token ids (B, t5_tokens), as the SD3 pipeline tokenizes with max_sequence_length=t5_tokens
+        (and the data loader, data/image_caption.py, for `input_ids_3`)."""
+        return tokenize_t5(self.tokenizer_3, captions, self.t5_tokens)
 
     def encode_captions(self, captions: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
         ids = tokenize(self.tokenizer, captions).to(device)

@@ -23,6 +23,9 @@ from a pretrained folder). Its 16-channel VAE has a shift as well as a scale: la
 (sample - latent_shift) * latent_scale. `t5_tokens` is the length of the T5 part of the context
 (zeros when T5 is off, as StableDiffusion3Pipeline makes them). `mmdit-tiny` keeps that structure
 at toy size, with the `tiny` preset's 4-channel VAE so the demo's trained tiny VAE fits.
+`mmdit-tiny-t5` is mmdit-tiny reading a toy T5 too (`bundled_t5`): built with random weights like the
+CLIPs, with the T5 tokenizer built offline (models/tokenizer.py build_t5_tokenizer), so the T5 path
+(token ids, `sd-convert latents --t5`, an export with text_encoder_3) runs with no download.
 """
 
 from diffusers import (
@@ -32,7 +35,9 @@ from diffusers import (
     SD3Transformer2DModel,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+from models.tokenizer import T5_VOCAB_SIZE
 
 # SD2's noise schedule (scheduler/scheduler_config.json of stable-diffusion-2-base).
 SD2_SCHEDULER = dict(
@@ -324,6 +329,20 @@ PRESETS["mmdit-tiny"] = dict(
     t5_tokens=8,  # a short zero T5 part: the tiny model spends its attention on the 77 CLIP tokens
 )
 
+# mmdit-tiny with its toy T5 built in (random weights) and the offline T5 tokenizer, whose vocabulary
+# size the embedding table takes.
+PRESETS["mmdit-tiny-t5"] = dict(
+    PRESETS["mmdit-tiny"],
+    text_encoder_3=dict(PRESETS["mmdit-tiny"]["text_encoder_3"], vocab_size=T5_VOCAB_SIZE),
+    bundled_t5=True,
+)
+
+
+def bundled_t5(preset: str) -> bool:
+    """Whether `preset` builds its T5 (`text_encoder_3`, random weights) and T5 tokenizer itself, as
+    mmdit-tiny-t5 does; sd3-medium's T5 only loads from a pretrained folder."""
+    return bool(PRESETS[preset].get("bundled_t5", False))
+
 
 def family(preset: str) -> str:
     """ "sd" (models/stable_diffusion.py), "sdxl" (models/sdxl.py) or "mmdit" (models/mmdit.py): which
@@ -359,7 +378,8 @@ def size_multiple(preset: str) -> int:
 def build_components(preset: str, skip: tuple[str, ...] | list[str] = ()) -> dict:
     """UNet (or transformer), VAE, text encoder(s) and noise scheduler of a preset, with random weights;
     the components named in `skip` (e.g. those about to be loaded from a pretrained folder) are left
-    out. An mmdit preset's T5 (`text_encoder_3`) is never built: it only loads from a folder."""
+    out. An mmdit preset's T5 (`text_encoder_3`) is built only when the preset has `bundled_t5`; else it
+    only loads from a folder."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     spec = PRESETS[preset]
@@ -382,6 +402,8 @@ def build_components(preset: str, skip: tuple[str, ...] | list[str] = ()) -> dic
         builders["text_encoder_2"] = lambda: CLIPTextModelWithProjection(
             CLIPTextConfig(**spec["text_encoder_2"])
         )
+    if bundled_t5(preset):  # drawn last: the other components' weights are mmdit-tiny's for a seed
+        builders["text_encoder_3"] = lambda: T5EncoderModel(T5Config(**spec["text_encoder_3"]))
     parts = {name: build() for name, build in builders.items() if name not in skip}
     scales = {"latent_scale": spec["latent_scale"]}
     if family(preset) == "mmdit":

@@ -42,7 +42,8 @@ from transformers import (
     T5TokenizerFast,
 )
 
-from models.tokenizer import build_tokenizer
+from models.presets import PRESETS, bundled_t5
+from models.tokenizer import build_t5_tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -199,11 +200,13 @@ def _rebuild_mmdit(record: dict) -> dict:
     )
     if record.get("text_encoder_3") is not None:
         parts["text_encoder_3"] = T5EncoderModel(T5Config.from_dict(record["text_encoder_3"]))
-        parts["tokenizer_3"] = _t5_tokenizer(record["tokenizer_3"]["source"])
+        parts["tokenizer_3"] = _t5_tokenizer(record["tokenizer_3"]["source"], record.get("preset"))
     return parts
 
 
-def _t5_tokenizer(source: str | None) -> T5TokenizerFast:
+def _t5_tokenizer(source: str | None, preset: str | None = None) -> T5TokenizerFast:
+    if not source and preset in PRESETS and bundled_t5(preset):  # mmdit-tiny-t5's, built offline
+        return build_t5_tokenizer()
     if not source:
         raise FileNotFoundError(
             "the model record has T5 (text_encoder_3) but not where its tokenizer came from: T5's "

@@ -10,6 +10,12 @@ the slow tokenizer's text clean-up (ftfy, whitespace, lower case; split on the s
 Python, then the Rust BPE of `tokenizers` that transformers' CLIPTokenizerFast uses. The
 CLIPTokenizerFast itself is not a drop-in: it skips ftfy, so curly quotes, HTML entities and
 full-width characters come out as other ids than the slow tokenizer's (and SD2's) give.
+
+`build_t5_tokenizer` is a T5 tokenizer built offline for the tiny T5 presets (`mmdit-tiny-t5`): no T5
+tokenizer files ship with transformers, and T5's sentencepiece model is a download. A `tokenizers`
+Unigram model over a small vocabulary (the synthetic shapes' words, then letters and digits for
+anything else), wrapped as a transformers T5TokenizerFast: it saves with `save_pretrained` into an
+exported pipeline and loads back with `from_pretrained`, as a real T5 tokenizer does.
 """
 
 import gzip
@@ -21,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import CLIPTokenizer
+from transformers import CLIPTokenizer, T5TokenizerFast
 
 from compat.transformers import (
     added_tokens_decoder,
@@ -73,6 +79,58 @@ def build_tokenizer(pad_token: str = "!") -> CLIPTokenizer:
             pad_token=pad_token,
             model_max_length=MAX_LENGTH,
         )
+
+
+# The toy T5 vocabulary after <pad> (0), </s> (1) and <unk> (2): whole words of the synthetic shapes'
+# captions (data/synthetic.py) and a few common ones, then single letters and digits, so that any
+# lower-case caption has ids (upper case and punctuation fall back to <unk>). Changing it changes the
+# ids of every mmdit-tiny-t5 checkpoint: append only.
+T5_WORDS = (
+    "a an the of on in with and red green blue yellow purple orange black white circle square triangle "
+    "small large big left right top bottom photo picture shape"
+).split()
+T5_CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789"
+# <pad>, </s>, <unk>, the bare word boundary "▁", the words and the characters: the tiny T5's vocab_size.
+T5_VOCAB_SIZE = 4 + len(T5_WORDS) + len(T5_CHARACTERS)
+T5_MAX_LENGTH = 512  # what the SD3 and Flux pipelines allow for T5 (its model_max_length)
+
+
+def build_t5_tokenizer() -> T5TokenizerFast:
+    """A T5TokenizerFast over `T5_WORDS` and `T5_CHARACTERS` (len() = the tiny T5's vocab_size), built
+    with no network access: NFKC normalisation, SentencePiece's "▁" word boundaries (Metaspace), and
+    </s> appended to each sequence, as T5's own tokenizer does."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
+    # Whole words score above their spellings, so the Unigram model's best split keeps them whole.
+    vocab += [("▁" + word, -1.0) for word in T5_WORDS]
+    vocab += [(character, -5.0) for character in T5_CHARACTERS]
+    backend = Tokenizer(models.Unigram(vocab, unk_id=2))
+    backend.normalizer = normalizers.NFKC()
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return T5TokenizerFast(
+        tokenizer_object=backend,
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_ids=0,
+        model_max_length=T5_MAX_LENGTH,
+    )
+
+
+def tokenize_t5(tokenizer, captions: list[str], length: int) -> torch.Tensor:
+    """T5 token ids (len(captions), length), as StableDiffusion3Pipeline tokenizes with
+    max_sequence_length=length: </s> appended, padded and truncated to `length`."""
+    return tokenizer(
+        captions,
+        padding="max_length",
+        max_length=length,
+        truncation=True,
+        add_special_tokens=True,
+        return_tensors="pt",
+    ).input_ids
 
 
 def tokenize(tokenizer: CLIPTokenizer, captions: list[str]):

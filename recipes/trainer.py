@@ -131,6 +131,19 @@ def _size_multiple(preset: str) -> int:
     return size_multiple(preset.removesuffix("-vae"))
 
 
+def loader_inputs(model) -> dict:
+    """What the image data path hands `model` besides the image and CLIP ids (data/image_caption.py):
+    SDXL's and SD3's second tokenizer, SDXL's micro-conditioning sizes, and T5's ids (`t5_tokens`
+    long) for an mmdit model with a T5 (sd3-medium with text_encoder_3, mmdit-tiny-t5); SD: nothing."""
+    inputs = dict(
+        tokenizer_2=getattr(model, "tokenizer_2", None),
+        micro_conditioning=getattr(model, "micro_conditioning", False),
+    )
+    if getattr(model, "text_encoder_3", None) is not None:
+        inputs.update(tokenizer_3=model.tokenizer_3, t5_tokens=model.t5_tokens)
+    return inputs
+
+
 def _plan(run: RunConfig, world_size: int):
     return plan_batches(
         run.global_train_batch_size, world_size, run.trainer.get("device_train_microbatch_size")
@@ -153,11 +166,7 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
     except FileNotFoundError as err:  # model.pretrained's folder or one of its components is missing
         raise ConfigError(str(err)) from err
     multiple = _size_multiple(run.model["preset"])
-    # What an SDXL model reads besides the image and tokens (data/image_caption.py); SD: nothing.
-    extra = dict(
-        tokenizer_2=getattr(model, "tokenizer_2", None),
-        micro_conditioning=getattr(model, "micro_conditioning", False),
-    )
+    extra = loader_inputs(model)
     train_loader = build_image_caption_dataloader(
         run.data.train, model.tokenizer, batch_size, multiple, **extra
     )
