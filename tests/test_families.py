@@ -6,10 +6,15 @@ tests/golden/make_family_bits.py. A refactor of models/ must leave every one unc
 change on purpose, re-record with that script and say why in the commit.
 """
 
+import functools
+import inspect
 import json
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
+from torch.utils.data import default_collate
 
 from tests.golden.make_family_bits import GOLDEN, RECIPES, family_bits
 
@@ -42,3 +47,283 @@ def test_every_family_gives_the_recorded_bits(preset, golden, shapes_mds, tmp_pa
     for i, (row, want) in enumerate(zip(got["latents"], expected["latents"], strict=True)):
         problems += _differences(f"sd-convert latents row {i}", row, want)
     assert not problems, "\n".join(problems)
+
+
+# -- the conformance suite: one set of checks for every family -------------------------------------------
+# Each family through its public surface (forward, loss, eval_forward, prompt_condition, generate, the
+# training loader, `sd-convert latents`, the record, export) and the batch keys its own loader gives:
+# nothing below names a family's batch keys or encoder functions, so a new family is one more entry.
+
+FAMILIES = {"sd": "tiny", "sdxl": "sdxl-tiny", "mmdit": "mmdit-tiny"}
+N = 4  # samples per batch: the first of the shapes set
+PROMPTS = ["a red circle", "a blue square"]
+SAMPLING = dict(guidance_scale=4.0, num_inference_steps=4)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES.values()), ids=list(FAMILIES))
+def preset(request) -> str:
+    return request.param
+
+
+@functools.cache
+def _encoders(preset: str) -> dict[str, dict[str, torch.Tensor]]:
+    from convert.encoders import load_encoders
+
+    encoders = vars(load_encoders(preset))
+    return {name: part.state_dict() for name, part in encoders.items() if isinstance(part, torch.nn.Module)}
+
+
+def _model(preset: str, **options):
+    """The preset's model from seed 0, with the frozen encoders `sd-convert latents` encodes with."""
+    from models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(preset, **options)
+    for name, state in _encoders(preset).items():
+        getattr(model, name).load_state_dict(state)
+    return model
+
+
+def _read(model, preset: str, local: Path, latents: bool = False) -> dict[str, tuple[str, dict]]:
+    """key -> (caption, sample) for the first N samples of `local`, as the training loader reads them."""
+    from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader
+    from models.presets import size_multiple
+    from recipes.trainer import loader_inputs
+
+    cfg = ImageCaptionDataConfig(local=str(local), resolution=32, hflip=False, shuffle=False, latents=latents)
+    multiple = size_multiple(preset)
+    dataset = build_image_caption_dataloader(
+        cfg, model.tokenizer, N, multiple, **loader_inputs(model)
+    ).dataset
+    return {row["key"]: (row["caption"], dataset[i]) for i in range(N) for row in [dataset.get_item(i)]}
+
+
+@pytest.fixture(scope="module")
+def batches(preset, shapes_mds, tmp_path_factory) -> dict:
+    """The same N shapes as the image path's batch and as the batch of what `sd-convert latents
+    --preset P` stored for them (with the model's random encoders), and their captions."""
+    from tests.convert_fixtures import run_cli
+
+    out = tmp_path_factory.mktemp("latents") / preset
+    argv = ["latents", "--src", shapes_mds / "mds", "--out", out, "--preset", preset]
+    assert run_cli(*argv, "--resolutions", 32, "--batch-size", 32) == 0
+    model = _model(preset)
+    images, stored = _read(model, preset, shapes_mds / "mds"), _read(model, preset, out, latents=True)
+    assert list(images) == list(stored)
+    return {
+        "captions": [caption for caption, _ in images.values()],
+        "images": default_collate([sample for _, sample in images.values()]),
+        "latents": default_collate([sample for _, sample in stored.values()]),
+    }
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        elif isinstance(value, torch.Tensor):
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _denoiser_call(model, run) -> tuple[dict[str, torch.Tensor], object]:
+    """(the tensors the denoiser got, by argument name or position, flattened; what `run()` returned)."""
+    seen = {}
+
+    def hook(module, args, kwargs):
+        seen.update({f"arg{i}": a for i, a in enumerate(args)}, **kwargs)
+
+    handle = model.denoiser.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        result = run()
+    finally:
+        handle.remove()
+    return _flat(seen), result
+
+
+def _checkpoint(model, path: Path) -> Path:
+    """What a Composer checkpoint holds for export: the weights and the ModelRecord callback's record."""
+    from models.record import describe
+
+    state = {"model": model.state_dict(), "callbacks": {"ModelRecord": describe(model)}, "algorithms": []}
+    torch.save({"state": state}, path)
+    return path
+
+
+def test_a_training_step_gives_a_finite_loss_and_moves_only_the_denoiser(preset, batches):
+    model = _model(preset).train()
+    batch = batches["images"]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert {id(p) for p in trainable} == {id(p) for p in model.denoiser.parameters()}
+    before = [p.detach().clone() for p in trainable]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    loss = model.loss(model(batch), batch)
+    loss.backward()
+    optimizer.step()
+    assert loss.ndim == 0 and torch.isfinite(loss) and loss.item() > 0
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in trainable)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    assert all(not torch.equal(p, b) for p, b in zip(trainable, before) if p.grad.any())
+    assert not model.vae.training  # frozen parts stay in eval mode in a training model
+
+
+def test_validation_is_deterministic_for_a_checkpoint(preset, batches, tmp_path):
+    """eval_forward's draws are seeded per sample: the same outputs twice, after training draws, and
+    from the checkpoint's reload; another eval seed gives others."""
+    from models.export import load_model_from_checkpoint
+
+    model = _model(preset, caption_drop_prob=1.0).eval()
+    batch = batches["images"]
+    first = model.eval_forward(batch)
+    loss = model.loss(first, batch)
+    model.train()
+    model(batch)  # a training forward: global RNG draws and dropped captions
+    model.eval()  # (Composer evaluates in eval mode; SDXL's UNet differs in the last bits in train mode)
+    loaded = load_model_from_checkpoint(_checkpoint(model, tmp_path / "ckpt.pt"))
+    for outputs in (model.eval_forward(batch), loaded.eval_forward(batch)):
+        assert all(torch.equal(a, b) for a, b in zip(outputs, first, strict=True))
+        assert torch.equal(model.loss(outputs, batch), loss)
+    model.eval_seed = 1
+    assert not torch.equal(model.loss(model.eval_forward(batch), batch), loss)
+
+
+@pytest.mark.parametrize("prob", [0.0, 1.0])
+def test_caption_dropout_gives_the_empty_caption_s_condition(preset, batches, prob):
+    """At probability 1 the denoiser gets, from images or from stored embeddings, the condition that
+    sampling gives the empty caption (the unconditional half of `prompt_condition`); at 0, and in
+    validation even in train mode, the captions'."""
+    model = _model(preset, caption_drop_prob=prob).train()
+    with torch.no_grad():
+        guided = _flat(model.prompt_condition(batches["captions"], None, (32, 32), "cpu"))
+    unconditional, conditional = (
+        {k: v[:N] for k, v in guided.items()},
+        {k: v[N:] for k, v in guided.items()},
+    )
+    runs = [  # (what, batch, call, expected, tolerance): stored embeddings are fp16
+        (f"{path} {call.__name__}", batches[path], call, expected, tolerance)
+        for path, tolerance in (("images", 1e-5), ("latents", 2e-3))
+        for call, expected in (
+            (model.forward, unconditional if prob else conditional),
+            (model.eval_forward, conditional),
+        )
+    ]
+    for what, batch, call, expected, tolerance in runs:
+        with torch.no_grad():
+            seen, _ = _denoiser_call(model, lambda: call(batch))  # noqa: B023 (called at once)
+        got = {k: v for k, v in seen.items() if k in expected}
+        assert got.keys() == expected.keys(), what
+        for key, value in got.items():
+            difference = (value.float() - expected[key].float()).abs().max().item()
+            assert torch.allclose(value, expected[key], rtol=tolerance, atol=tolerance), (
+                what,
+                key,
+                difference,
+            )
+
+
+def test_precomputed_latents_give_the_image_path_s_loss(preset, batches):
+    """The same global-RNG draws give the denoiser the same inputs and the same loss from `sd-convert
+    latents`' columns as from the images and token ids (to fp16 storage's precision)."""
+    model = _model(preset, caption_drop_prob=0.5).train()
+    calls = {}
+    with torch.no_grad():
+        for path in ("images", "latents"):
+            torch.manual_seed(1)
+            calls[path] = _denoiser_call(model, lambda batch=batches[path]: model.loss(model(batch), batch))
+        torch.manual_seed(1)  # the classic bug: stored latents scaled again
+        twice = {**batches["latents"], "latents": batches["latents"]["latents"] * model.latent_scale}
+        wrong, _ = _denoiser_call(model, lambda: model(twice))
+    (from_images, image_loss), (from_latents, latents_loss) = calls["images"], calls["latents"]
+    assert from_images.keys() == from_latents.keys() == wrong.keys()
+    for key, value in from_latents.items():
+        torch.testing.assert_close(value, from_images[key], rtol=1e-2, atol=2e-3, msg=key)
+    torch.testing.assert_close(latents_loss, image_loss, rtol=2e-3, atol=1e-4)
+    off = max((wrong[k].float() - from_images[k].float()).abs().max() for k in wrong)
+    close = max((from_latents[k].float() - from_images[k].float()).abs().max() for k in wrong)
+    assert off > 10 * close
+    assert model.flops_per_batch(batches["latents"]) == model.flops_per_batch(batches["images"]) > 0
+
+
+def test_the_checkpoint_record_rebuilds_the_model(preset, tmp_path):
+    from models.export import load_model_from_checkpoint
+    from models.record import describe, read_record
+
+    model = _model(preset).eval()
+    checkpoint = _checkpoint(model, tmp_path / "ckpt.pt")
+    record = read_record(torch.load(checkpoint, weights_only=False)["state"])
+    assert record == describe(model) and record["preset"] == preset
+    loaded = load_model_from_checkpoint(checkpoint)
+    assert type(loaded) is type(model) and loaded.preset == preset and describe(loaded) == record
+    state, expected = loaded.state_dict(), model.state_dict()
+    assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
+    assert not any(p.is_meta for p in loaded.parameters()) and not loaded.denoiser.training
+
+
+def test_the_exported_pipeline_samples_what_generate_samples(preset, tmp_path):
+    """diffusers' own pipeline class, as model_index.json names it, samples from the same seed what
+    `generate` samples."""
+    import diffusers
+
+    from models.export import export_pipeline
+
+    model = _model(preset).eval()
+    expected = model.generate(PROMPTS, seed=3, **SAMPLING)
+    folder = export_pipeline(model, tmp_path / "out")
+    # As a user loads it: the pipeline's parts the export leaves out (SD3's T5) passed as None, and the
+    # call arguments the README's front matter names (SD3's max_sequence_length).
+    pipeline_class = getattr(diffusers, json.loads((folder / "model_index.json").read_text())["_class_name"])
+    written = {path.name for path in folder.iterdir() if path.is_dir()}
+    required = inspect.signature(pipeline_class).parameters.items()
+    absent = {k: None for k, p in required if p.default is inspect.Parameter.empty and k not in written}
+    pipe = pipeline_class.from_pretrained(folder, local_files_only=True, **absent)
+    pipe.set_progress_bar_config(disable=True)
+    readme = folder / "README.md"
+    text = readme.read_text() if readme.exists() else ""
+    front = yaml.safe_load(text[4 : text.index("\n---", 4)]) if text.startswith("---\n") else {}
+    options = {k: v for k, v in front.items() if k in inspect.signature(pipe.__call__).parameters}
+    generator = torch.Generator().manual_seed(3)
+    images = pipe(PROMPTS, generator=generator, output_type="pt", **options, **SAMPLING).images
+    assert images.shape == expected.shape == (2, 3, 32, 32)
+    torch.testing.assert_close(images, expected, atol=1e-6, rtol=0)
+
+
+# The published checkpoints as diffusers counts their configs: stabilityai/stable-diffusion-2-base,
+# stable-diffusion-xl-base-1.0 (issue 25's numbers), stable-diffusion-3-medium-diffusers (issue 26's
+# transformer; CLIP ViT-L/14 with its projection, OpenCLIP bigG/14, the 16-channel VAE).
+PUBLISHED = {
+    "sd2-base": {
+        "unet": 865_910_724,
+        "vae": 83_653_863,
+        "text_encoder": 340_387_840,
+        "latent_scale": 0.18215,
+    },
+    "sdxl-base": {
+        "unet": 2_567_463_684,
+        "vae": 83_653_863,
+        "text_encoder": 123_060_480,
+        "text_encoder_2": 694_659_840,
+        "latent_scale": 0.13025,
+    },
+    "sd3-medium": {
+        "transformer": 2_028_328_000,
+        "vae": 83_819_683,
+        "text_encoder": 123_650_304,
+        "text_encoder_2": 694_659_840,
+        "latent_scale": 1.5305,
+    },
+}
+
+
+@pytest.mark.parametrize("published", list(PUBLISHED))
+def test_full_size_presets_have_the_published_parameter_counts(published):
+    from models.presets import build_components
+
+    with torch.device("meta"):  # billions of parameters: shapes only
+        parts = build_components(published)
+    counts = {
+        name: sum(p.numel() for p in part.parameters())
+        for name, part in parts.items()
+        if isinstance(part, torch.nn.Module)
+    }
+    assert {**counts, "latent_scale": parts["latent_scale"]} == PUBLISHED[published]
