@@ -1,27 +1,16 @@
-"""SDXL's model (models/sdxl.py): the published architecture's sizes, the conditioning against
-diffusers' own SDXL pipeline, micro-conditioning, caption dropout, and the tiny recipe training."""
+"""SDXL's model (models/sdxl.py): the conditioning against diffusers' own SDXL pipeline,
+micro-conditioning, and the tiny recipe training. (Sizes, caption dropout, precomputed embeddings: the
+suite of every family, tests/test_families.py.)"""
 
 import pytest
 import torch
 from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
 from models import build_model
-from models.presets import PRESETS, build_components
+from models.presets import PRESETS
 from models.tokenizer import tokenize
 from recipes import build_trainer, load_config
 from tests.conftest import REPO, tiny_run
-
-# stabilityai/stable-diffusion-xl-base-1.0: the UNet and both text encoders, as diffusers counts them
-# (the numbers issue 25 gives from the published checkpoint).
-SDXL_COUNTS = {"unet": 2_567_463_684, "text_encoder": 123_060_480, "text_encoder_2": 694_659_840}
-
-
-def test_sdxl_base_has_the_published_parameter_counts():
-    with torch.device("meta"):  # 3.4 B parameters: shapes only
-        parts = build_components("sdxl-base")
-    counts = {name: sum(p.numel() for p in parts[name].parameters()) for name in SDXL_COUNTS}
-    assert counts == SDXL_COUNTS
-    assert parts["latent_scale"] == 0.13025
 
 
 @pytest.fixture(scope="module")
@@ -97,45 +86,6 @@ def test_micro_conditioning_reaches_the_unet_in_sdxl_order(model):
     wide["image"] = torch.rand(1, 3, 32, 64) * 2 - 1
     time_ids = _unet_inputs(model, wide)["added_cond_kwargs"]["time_ids"]
     assert time_ids.tolist() == [[32, 64, 0, 0, 32, 64]]
-
-
-def test_caption_dropout_zeroes_the_context_and_the_pooled_vector_together():
-    torch.manual_seed(0)
-    model = build_model("sdxl-tiny", caption_drop_prob=0.5).train()
-    captions = [f"caption {i}" for i in range(16)]
-    batch = _batch(model, captions)
-    context, pooled = model.encode_text(batch["input_ids"], batch["input_ids_2"])
-    seen = _unet_inputs(model, batch)
-    got_context, got_pooled = seen["encoder_hidden_states"], seen["added_cond_kwargs"]["text_embeds"]
-    dropped = got_pooled.eq(0).all(dim=1)
-    assert 0 < int(dropped.sum()) < 16  # p = 0.5 over 16 samples: some of each
-    assert got_context[dropped].eq(0).all() and got_pooled[dropped].eq(0).all()
-    assert got_context[~dropped].equal(context[~dropped]) and got_pooled[~dropped].equal(pooled[~dropped])
-    # Validation never drops (its draws are seeded per sample).
-    model.eval()
-    seen = {}
-    handle = model.unet.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
-    model.eval_forward(batch)
-    handle.remove()
-    assert seen["encoder_hidden_states"].equal(context)
-
-
-def test_precomputed_embeddings_give_the_image_path_s_loss(model):
-    """A batch of `text_embeds` + `pooled_text_embeds` (what `sd-convert latents` stores) and VAE
-    moments trains on exactly what the images and token ids give."""
-    batch = _batch(model, ["a red circle", "a blue square"], original_size=torch.tensor([[64, 48], [32, 32]]))
-    context, pooled = model.encode_text(batch["input_ids"], batch["input_ids_2"])
-    latents = {
-        "latents": model.vae_moments(batch["image"]),
-        "text_embeds": context,
-        "pooled_text_embeds": pooled,
-        "original_size": batch["original_size"],
-    }
-    seeds = [1, 2]
-    with torch.no_grad():
-        from_images = model.loss(model._diffuse(batch, seeds=seeds), batch)
-        from_latents = model.loss(model._diffuse(latents, seeds=seeds), latents)
-    torch.testing.assert_close(from_latents, from_images, rtol=1e-5, atol=1e-6)
 
 
 def test_flops_count_the_sdxl_unet_with_its_added_conditioning():
