@@ -15,6 +15,7 @@ def main(argv: list[str]) -> None:
     # Imported here, not at the top: Composer starts some helpers with `spawn` (MLflow's run monitor;
     # a RemoteUploaderDownloader given use_procs=True), and a spawned process imports this script
     # first; with these imports at the top each helper would load the whole stack (~7 s of CPU).
+    from common.lifetime import end_with_launcher
     from common.secrets import install_log_redaction
     from recipes import ConfigError, check_overrides, load_config, train
 
@@ -23,6 +24,7 @@ def main(argv: list[str]) -> None:
     # upload makes its own S3 client, which says where it found credentials: twice a checkpoint.
     logging.getLogger("botocore.credentials").setLevel(logging.WARNING)
     install_log_redaction()
+    end_with_launcher()  # a SIGKILLed `composer -n N` takes its ranks with it
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\n" + USAGE)
         sys.exit(0 if argv else 2)

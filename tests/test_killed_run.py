@@ -15,6 +15,7 @@ import time
 import uuid
 
 import psutil
+import pytest
 
 from tests.conftest import REPO, TINY_TEST
 from tests.s3_server import BUCKET, s3_server  # noqa: F401  (fixture)
@@ -94,4 +95,48 @@ def test_a_run_killed_mid_upload_leaves_no_process_behind(s3_server, shapes_mds,
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         for leftover in _tagged(tag):  # never leave them to the rest of the suite
+            leftover.kill()
+
+
+@pytest.mark.subprocess
+def test_ranks_end_with_a_killed_launcher(shapes_mds, tmp_path):
+    """`composer -n 2 train.py ...` with its launcher SIGKILLed (the ranks are left running by the
+    launcher, which gets no chance to stop them): each rank asked Linux to kill it with its parent
+    (common/lifetime.py), so within GRACE_S none of the job is left to train on and save beside a
+    rerun."""
+    from tests.resume_check import COMPOSER, train_env
+
+    tag = uuid.uuid4().hex
+    loss_log = tmp_path / "loss.jsonl"
+    cmd = [
+        COMPOSER, "-n", "2", str(REPO / "train.py"), str(REPO / "yamls/tiny-cpu.yaml"), *TINY_TEST,
+        f"data.train.local={shapes_mds / 'mds'}", "~data.train.prepare", "trainer.max_duration=400ba",
+        f"trainer.save_folder={tmp_path / 'ckpt'}", "trainer.save_interval=1000ba",
+        "trainer.progress_bar=false",
+        f"+callbacks.loss_log={{_target_: extensions.callbacks.LossLog, path: {loss_log}}}",
+    ]  # fmt: skip
+    launcher = subprocess.Popen(
+        cmd, cwd=tmp_path, env=train_env(SD_TEST_RUN_TAG=tag), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (loss_log.exists() and loss_log.read_text().strip()):  # the ranks are training
+            assert launcher.poll() is None, f"the job exited ({launcher.returncode}) before training"
+            assert time.monotonic() < deadline, "no batch trained in 300 s"
+            time.sleep(0.2)
+        ranks = [p for p in _tagged(tag) if p.pid != launcher.pid]
+        assert len(ranks) >= 2, _describe(ranks)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+
+        deadline = time.monotonic() + GRACE_S
+        while (left := _tagged(tag)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"{GRACE_S} s after the launcher was killed, still running:\n{_describe(left)}"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        for leftover in _tagged(tag):
             leftover.kill()
