@@ -9,30 +9,12 @@ ViT-bigG/14), both CLIPTextModelWithProjection, with `tokenizer` and `tokenizer_
 sampler). The family-independent parts (VAE moments, per-sample validation seeds, caption-dropout
 draws, metrics) are StableDiffusion's own functions, not copies.
 
-The objective (rectified flow; the paper's sections 2 and 3.1):
-    x0 = (a sample of the VAE posterior - latent_shift) * latent_scale
-    t = s u / (1 + (s - 1) u),  u = sigmoid(timestep_mean + timestep_std * n),  n ~ N(0, 1)
-    x_t = (1 - t) x0 + t noise,   the transformer gets x_t and timestep 1000 t,
-    target = noise - x0 (the velocity dx_t/dt),   loss = mean over samples of w(t) x MSE.
-The timesteps are logit-normal (the paper's lognorm(m, s), eq. 19; its best, and SD3's, is m = 0,
-s = 1: more samples in the middle of the path, where the velocity is hardest to predict), then
-shifted by s (eq. 23): s > 1 moves them towards noise, which a higher resolution needs since its
-pixels are more redundant and keep more signal at the same noise level. Timestep 1000 t is diffusers'
-SD3 convention (sigmas x num_train_timesteps), what the pipeline's sampler passes.
-
-One shift for training and sampling (`shift_for`): the sampler's sigmas are the same eq. 23 applied to
-a uniform grid (FlowMatchEulerDiscreteScheduler's `shift`), so a model samples with the shift it
-trained with. `timestep_shift` picks it:
-    None (the default): the noise scheduler's `shift`, a loaded folder's (SD3's 3.0, what SD3 trained
-        and samples with at 1024 px, preferred in the paper's human-preference study, section 5.3.2)
-        or the preset's (sd3-medium 3.0, mmdit-tiny 1.0);
-    a number: that shift, in training, in `generate` and in an export's scheduler;
-    "auto": the paper's s = sqrt(m / n) with n = 256^2 pixels, the resolution the schedule was
-        designed at, and m the pixels: each training batch's, and `generate`'s height x width (1 at
-        256 px, 2 at 512 px, 4 at 1024 px). An export's scheduler has one fixed shift, the model's
-        native size's (sample_size x the VAE's factor); models/export.py says so in its README.
-`loss_weighting` is None (SD3's: the logit-normal sampling already is the weighting), or diffusers'
-"sigma_sqrt" (w = t^-2) or "cosmap" (w = 2 / (pi (1 - 2t + 2t^2))), as its SD3 training script has them.
+The objective is rectified flow with SD3's logit-normal timesteps, shift and loss weightings
+(models/objectives.py, RectifiedFlow; `self.objective`, whose options the attributes of the same names
+read and set) on x0 = (a sample of the VAE posterior - latent_shift) * latent_scale. One shift for
+training and sampling (`shift_for`): timestep_shift None is the noise scheduler's `shift` (a loaded
+SD3's 3.0, the preset's: sd3-medium 3.0, mmdit-tiny 1.0); with "auto" an export's scheduler has one
+fixed shift, the model's native size's (sample_size x the VAE's factor), as its README says.
 
 Conditioning is what StableDiffusion3Pipeline.encode_prompt computes from the same encoders: both
 CLIPs' penultimate hidden states side by side (768 + 1280 = 2048 wide for SD3), zero-padded to the
@@ -60,8 +42,6 @@ generator seeded by its content (StableDiffusion.eval_seeds), so a checkpoint's 
 the same number every time.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 from composer.models import ComposerModel
@@ -70,46 +50,20 @@ from torchmetrics import MeanSquaredError
 
 from compat.diffusers import DiagonalGaussianDistribution
 from models.flops import transformer_training_flops
+
+# The flow's names that models/build.py and tests import from here, where they lived before.
+from models.objectives import (  # noqa: F401
+    BASE_PIXELS,
+    LOSS_WEIGHTINGS,
+    RectifiedFlow,
+    forwarded,
+    loss_weights,
+    resolution_shift,
+    seeded_flow_draws,
+    shift_timesteps,
+)
 from models.stable_diffusion import StableDiffusion, in_dtype
 from models.tokenizer import tokenize, tokenize_t5
-
-LOSS_WEIGHTINGS = (None, "sigma_sqrt", "cosmap")
-BASE_PIXELS = 256 * 256  # the resolution `timestep_shift: auto` shifts relative to (eq. 23's n)
-
-
-def shift_timesteps(t: torch.Tensor, shift: float) -> torch.Tensor:
-    """s t / (1 + (s - 1) t): the paper's eq. 23, and FlowMatchEulerDiscreteScheduler's `shift`."""
-    return shift * t / (1 + (shift - 1) * t)
-
-
-def resolution_shift(height: int, width: int) -> float:
-    """sqrt(pixels / 256^2): the shift that keeps an image of height x width pixels as uncertain at a
-    timestep as a 256 px one (eq. 23 with n = 256^2)."""
-    return math.sqrt(height * width / BASE_PIXELS)
-
-
-def loss_weights(t: torch.Tensor, weighting: str | None) -> torch.Tensor:
-    """Per-sample loss weights at noise levels `t`, as diffusers' compute_loss_weighting_for_sd3."""
-    if weighting is None:
-        return torch.ones_like(t)
-    if weighting == "sigma_sqrt":
-        return t**-2.0
-    if weighting == "cosmap":
-        return 2 / (math.pi * (1 - 2 * t + 2 * t**2))
-    raise ValueError(f"loss_weighting={weighting!r}; choose one of {LOSS_WEIGHTINGS}")
-
-
-def seeded_flow_draws(seeds: list[int], latent_shape, device) -> dict[str, torch.Tensor]:
-    """Per sample, from a CPU generator seeded with its seed (so the same on any device): the
-    posterior's standard normal `latent`, the `noise`, and the standard normal `normal` that the
-    logit-normal timestep is made of, drawn in that order."""
-    draws = {"latent": [], "noise": [], "normal": []}
-    for seed in seeds:
-        generator = torch.Generator().manual_seed(seed)
-        draws["latent"].append(torch.randn(latent_shape, generator=generator))
-        draws["noise"].append(torch.randn(latent_shape, generator=generator))
-        draws["normal"].append(torch.randn((), generator=generator))
-    return {name: torch.stack(values).to(device) for name, values in draws.items()}
 
 
 class RectifiedFlowTransformer(ComposerModel):
@@ -143,6 +97,12 @@ class RectifiedFlowTransformer(ComposerModel):
     eval_seeds = StableDiffusion.eval_seeds
     get_metrics = StableDiffusion.get_metrics
     update_metric = StableDiffusion.update_metric
+    # The objective's options, which code and tests read (and set) on the model.
+    noise_scheduler = forwarded("scheduler")
+    timestep_mean = forwarded("timestep_mean")
+    timestep_std = forwarded("timestep_std")
+    timestep_shift = forwarded("timestep_shift")
+    loss_weighting = forwarded("loss_weighting")
 
     def __init__(
         self,
@@ -168,28 +128,11 @@ class RectifiedFlowTransformer(ComposerModel):
         super().__init__()
         if not 0.0 <= caption_drop_prob <= 1.0:
             raise ValueError(f"caption_drop_prob must be in [0, 1], not {caption_drop_prob}")
-        if not timestep_std > 0:
-            raise ValueError(f"timestep_std must be positive, not {timestep_std}")
-        if timestep_shift not in (None, "auto") and (
-            isinstance(timestep_shift, bool | str) or not float(timestep_shift) > 0
-        ):
-            raise ValueError(
-                f"timestep_shift must be None (the scheduler's), a positive number or 'auto', not "
-                f"{timestep_shift!r}"
-            )
-        if loss_weighting not in LOSS_WEIGHTINGS:
-            raise ValueError(f"loss_weighting={loss_weighting!r}; choose one of {LOSS_WEIGHTINGS}")
+        self.objective = RectifiedFlow(
+            noise_scheduler, timestep_mean, timestep_std, timestep_shift, loss_weighting
+        )
         if (text_encoder_3 is None) != (tokenizer_3 is None):
             raise ValueError("text_encoder_3 (T5) and tokenizer_3 come together: give both or neither")
-        if not isinstance(noise_scheduler, FlowMatchEulerDiscreteScheduler):
-            raise TypeError(
-                "an mmdit model samples with FlowMatchEulerDiscreteScheduler, not "
-                f"{type(noise_scheduler).__name__}"
-            )
-        if noise_scheduler.config.get("use_dynamic_shifting"):
-            raise ValueError(
-                "a scheduler with use_dynamic_shifting (Flux's) is not supported: give it a fixed shift"
-            )
         config = transformer.config
         clip_width = text_encoder.config.hidden_size + text_encoder_2.config.hidden_size
         pooled_width = text_encoder.config.projection_dim + text_encoder_2.config.projection_dim
@@ -205,14 +148,10 @@ class RectifiedFlowTransformer(ComposerModel):
         self.text_encoder_2 = text_encoder_2.requires_grad_(False).eval()
         self.text_encoder_3 = None if text_encoder_3 is None else text_encoder_3.requires_grad_(False).eval()
         self.tokenizer, self.tokenizer_2, self.tokenizer_3 = tokenizer, tokenizer_2, tokenizer_3
-        self.noise_scheduler = noise_scheduler
         # Buffers, so checkpoints carry them: a VAE trained here has its own scale (models/autoencoder.py).
         self.register_buffer("latent_scale", torch.tensor(float(latent_scale)))
         self.register_buffer("latent_shift", torch.tensor(float(latent_shift or 0.0)))
         self.t5_tokens = int(t5_tokens)
-        self.timestep_mean, self.timestep_std = float(timestep_mean), float(timestep_std)
-        self.timestep_shift = timestep_shift if timestep_shift in (None, "auto") else float(timestep_shift)
-        self.loss_weighting = loss_weighting
         self.caption_drop_prob = caption_drop_prob
         self.val_mse = MeanSquaredError()
         self._empty: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -338,13 +277,8 @@ class RectifiedFlowTransformer(ComposerModel):
     # -- training --------------------------------------------------------------------------------
     def shift_for(self, image_size: tuple[int, int]) -> float:
         """The timestep shift for images of `image_size` (height, width) pixels, in training and in
-        sampling alike: the noise scheduler's `shift` (timestep_shift None), `timestep_shift`, or with
-        "auto" sqrt(pixels / 256^2)."""
-        if self.timestep_shift is None:
-            return float(self.noise_scheduler.config.shift)
-        if self.timestep_shift == "auto":
-            return resolution_shift(*image_size)
-        return self.timestep_shift
+        sampling alike (RectifiedFlow.shift_for)."""
+        return self.objective.shift_for(image_size)
 
     def native_size(self) -> tuple[int, int]:
         """(height, width) in pixels the transformer is sized for: `generate`'s default, the export's."""
@@ -355,48 +289,35 @@ class RectifiedFlowTransformer(ComposerModel):
         """The Euler sampler for images of `image_size` (height, width): the noise scheduler's config
         with `shift_for(image_size)`, so sampling shifts as training did (models/export.py writes it
         at `native_size()`)."""
-        return FlowMatchEulerDiscreteScheduler.from_config(
-            self.noise_scheduler.config, shift=self.shift_for(image_size)
-        )
+        return self.objective.sampler(image_size)
 
     def sample_timesteps(self, normal: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         """Noise levels t in (0, 1) from standard normal draws: logit-normal, then shifted."""
-        t = torch.sigmoid(self.timestep_mean + self.timestep_std * normal.float())
-        return shift_timesteps(t, self.shift_for(image_size))
+        return self.objective.sample_timesteps(normal, image_size)
 
     def _diffuse(self, batch, seeds: list[int] | None = None):
-        """(prediction, target, t) of the rectified-flow objective; the random draws come from the
-        global RNG, or with `seeds` (one per sample) from `seeded_flow_draws`, with no caption dropout."""
+        """(prediction, target, t) of the objective; the random draws come from the global RNG (the
+        latent sample, caption dropout, then the objective's), or with `seeds` (one per sample) from the
+        objective's `seeded_draws`, with no caption dropout."""
         moments = batch["latents"] if "latents" in batch else self.vae_moments(batch["image"])
         image_size = (moments.shape[-2] * self.vae_scale_factor, moments.shape[-1] * self.vae_scale_factor)
         if seeds is None:
             latents = self.sample_latents(moments)
             condition = self.condition(batch, True, image_size)
-            # Not randn_like: that follows the latents' memory format, channels-last when a CPU VAE
-            # encoded a batch, so the same draws would land elsewhere than on stored latents.
-            noise = torch.randn(latents.shape, device=latents.device, dtype=latents.dtype)
-            normal = torch.randn(latents.shape[0], device=latents.device)
+            draws = self.objective.draws(latents)
         else:
             posterior = DiagonalGaussianDistribution(moments.float())
-            draws = seeded_flow_draws(seeds, posterior.mean.shape[1:], moments.device)
+            draws = self.objective.seeded_draws(seeds, posterior.mean.shape[1:], moments.device)
             latents = self.scale_latents(posterior.mean + posterior.std * draws["latent"])
             condition = self.condition(batch, False, image_size)
-            noise, normal = draws["noise"], draws["normal"]
-        t = self.sample_timesteps(normal, image_size)
-        sigma = t[:, None, None, None]
-        noisy = (1 - sigma) * latents + sigma * noise
-        timesteps = t * self.noise_scheduler.config.num_train_timesteps
+        noisy, timesteps, target, t = self.objective.diffuse(latents, draws, image_size)
         dtype = self.denoiser_dtype
         condition = in_dtype(condition, dtype)
         prediction = self.transformer(hidden_states=noisy.to(dtype), timestep=timesteps, **condition).sample
-        return prediction, noise - latents, t
+        return prediction, target, t
 
     def loss(self, outputs, batch):
-        prediction, target, t = outputs
-        per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-        if self.loss_weighting is None:
-            return per_sample.mean()
-        return (per_sample * loss_weights(t.float(), self.loss_weighting)).mean()
+        return self.objective.loss(*outputs)
 
     # -- throughput ------------------------------------------------------------------------------
     def flops_per_batch(self, batch) -> float:

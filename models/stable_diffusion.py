@@ -15,32 +15,22 @@ sample, so a checkpoint's validation loss is the same number each time it is mea
 import hashlib
 
 import torch
-import torch.nn.functional as F
 from composer.models import ComposerModel
-from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
 from torchmetrics import MeanSquaredError
 
 from compat.diffusers import DiagonalGaussianDistribution, rescale_noise_cfg
 from models.flops import unet_training_flops
+from models.objectives import DDPM, SAMPLERS, forwarded, seeded_draws  # noqa: F401 (SAMPLERS: imported from here)
 from models.pixels import to_float
 from models.tokenizer import tokenize
-
-SAMPLERS = {
-    "ddim": DDIMScheduler,
-    "euler": EulerDiscreteScheduler,
-    "dpm++": DPMSolverMultistepScheduler,
-}
 
 
 class StableDiffusion(ComposerModel):
     """`unet` trains; `vae` and `text_encoder` are frozen and stay in eval mode.
 
-    Objective options:
-        prediction_type: "epsilon" (SD2 base) or "v_prediction".
-        offset_noise: adds offset_noise * N(0, 1) per (sample, channel) to the noise, which lets the
-            model shift an image's mean brightness (Guttenberg 2023; 0.1 is usual).
-        min_snr_gamma: weights each sample's loss by min(SNR, gamma) / SNR (epsilon) or
-            min(SNR, gamma) / (SNR + 1) (v) (Hang et al. 2023; 5.0 is usual).
+    Objective options (prediction_type "epsilon" or "v_prediction", offset_noise, min_snr_gamma): the
+    DDPM objective's (models/objectives.py), `self.objective`; the attributes of the same names and
+    `noise_scheduler` read and set its.
         caption_drop_prob: replaces a sample's text condition by the empty caption's, which trains
             the unconditional branch that classifier-free guidance needs (SD used 0.1).
 
@@ -64,33 +54,15 @@ class StableDiffusion(ComposerModel):
         caption_drop_prob: float = 0.0,
     ):
         super().__init__()
-        if prediction_type not in ("epsilon", "v_prediction"):
-            raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', not {prediction_type!r}")
         if not 0.0 <= caption_drop_prob <= 1.0:
             raise ValueError(f"caption_drop_prob must be in [0, 1], not {caption_drop_prob}")
-        if prediction_type == "epsilon" and float(noise_scheduler.alphas_cumprod[-1]) == 0.0:
-            # A schedule rescaled to zero terminal SNR, e.g. a loaded scheduler with
-            # rescale_betas_zero_snr: x0 = (x_t - sigma * eps) / alpha is undefined at alpha = 0, and
-            # the min-SNR weight min(SNR, gamma) / SNR is 0 / 0.
-            raise ValueError(
-                "the noise schedule ends at zero SNR (rescale_betas_zero_snr), where epsilon is undefined; "
-                "use prediction_type=v_prediction"
-            )
+        self.objective = DDPM(noise_scheduler, prediction_type, offset_noise, min_snr_gamma)
         self.unet = unet
         self.vae = vae.requires_grad_(False).eval()
         self.text_encoder = text_encoder.requires_grad_(False).eval()
         self.tokenizer = tokenizer
-        # Rebuilt rather than `register_to_config(prediction_type=...)`: that leaves the key in the
-        # config's `_use_default_values`, so another class's from_config (the exported DDIM sampler)
-        # silently drops it and predicts epsilon.
-        self.noise_scheduler = type(noise_scheduler).from_config(
-            noise_scheduler.config, prediction_type=prediction_type
-        )
         # A buffer, so checkpoints carry it: a VAE trained here has its own scale (models/autoencoder.py).
         self.register_buffer("latent_scale", torch.tensor(float(latent_scale)))
-        self.prediction_type = prediction_type
-        self.offset_noise = offset_noise
-        self.min_snr_gamma = min_snr_gamma
         self.caption_drop_prob = caption_drop_prob
         self.val_mse = MeanSquaredError()
         self._empty_embedding: dict[torch.device, torch.Tensor] = {}
@@ -119,9 +91,12 @@ class StableDiffusion(ComposerModel):
         CPU, in sampling); its output is read back in fp32 (the loss, the sampler's steps)."""
         return next(self.denoiser.parameters()).dtype
 
-    @property
-    def zero_terminal_snr(self) -> bool:
-        return bool(self.noise_scheduler.config.get("rescale_betas_zero_snr", False))
+    # The objective's attributes, which code and tests read (and set) on the model.
+    noise_scheduler = forwarded("scheduler")
+    prediction_type = forwarded("prediction_type")
+    offset_noise = forwarded("offset_noise")
+    min_snr_gamma = forwarded("min_snr_gamma")
+    zero_terminal_snr = forwarded("zero_terminal_snr", settable=False)
 
     @property
     def default_guidance_rescale(self) -> float:
@@ -185,53 +160,27 @@ class StableDiffusion(ComposerModel):
         return self._diffuse(batch)
 
     def _diffuse(self, batch, seeds: list[int] | None = None):
-        """(prediction, target, timesteps) of the DDPM objective; the random draws come from the global
-        RNG, or with `seeds` (one per sample) from `seeded_draws`, with no caption dropout."""
+        """(prediction, target, timesteps) of the objective; the random draws come from the global RNG
+        (the latent sample, caption dropout, then the objective's), or with `seeds` (one per sample)
+        from the objective's `seeded_draws`, with no caption dropout."""
         moments = batch["latents"] if "latents" in batch else self.vae_moments(batch["image"])
-        steps = self.noise_scheduler.config.num_train_timesteps
         image_size = (moments.shape[-2] * self.vae_scale_factor, moments.shape[-1] * self.vae_scale_factor)
         if seeds is None:
             latents = self.sample_latents(moments)
             condition = self.condition(batch, True, image_size)
-            # Not randn_like: that follows the latents' memory format, channels-last when a CPU VAE
-            # encoded a batch, so the same draws would land elsewhere than on stored latents.
-            noise = torch.randn(latents.shape, device=latents.device, dtype=latents.dtype)
-            if self.offset_noise:
-                noise = noise + self.offset_noise * torch.randn(
-                    *latents.shape[:2], 1, 1, device=latents.device
-                )
-            timesteps = torch.randint(0, steps, (latents.shape[0],), device=latents.device)
+            draws = self.objective.draws(latents)
         else:
             posterior = DiagonalGaussianDistribution(moments.float())
-            draws = seeded_draws(seeds, posterior.mean.shape[1:], steps, moments.device)
+            draws = self.objective.seeded_draws(seeds, posterior.mean.shape[1:], moments.device)
             latents = (posterior.mean + posterior.std * draws["latent"]) * self.latent_scale
             condition = self.condition(batch, False, image_size)
-            noise = draws["noise"]
-            if self.offset_noise:
-                noise = noise + self.offset_noise * draws["offset"]
-            timesteps = draws["timesteps"]
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        if self.prediction_type == "epsilon":
-            target = noise
-        else:
-            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        noisy, timesteps, target, level = self.objective.diffuse(latents, draws, image_size)
         dtype = self.denoiser_dtype
         prediction = self.unet(noisy.to(dtype), timesteps, **in_dtype(condition, dtype)).sample
-        return prediction, target, timesteps
-
-    def _snr(self, timesteps: torch.Tensor) -> torch.Tensor:
-        alphas = self.noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps]
-        return alphas / (1 - alphas)
+        return prediction, target, level
 
     def loss(self, outputs, batch):
-        prediction, target, timesteps = outputs
-        per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-        if self.min_snr_gamma is None:
-            return per_sample.mean()
-        snr = self._snr(timesteps)
-        weight = snr.clamp(max=self.min_snr_gamma)
-        weight = weight / snr if self.prediction_type == "epsilon" else weight / (snr + 1)
-        return (per_sample * weight).mean()
+        return self.objective.loss(*outputs)
 
     # -- evaluation ------------------------------------------------------------------------------
     def eval_forward(self, batch, outputs=None):
@@ -323,10 +272,8 @@ class StableDiffusion(ComposerModel):
         """
         if guidance_rescale is None:
             guidance_rescale = self.default_guidance_rescale
-        if sampler not in SAMPLERS:
-            raise ValueError(f"unknown sampler {sampler!r}; choose one of {sorted(SAMPLERS)}")
+        scheduler = self.objective.sampler(sampler)
         device = next(self.unet.parameters()).device
-        scheduler = SAMPLERS[sampler].from_config(self.noise_scheduler.config)
         scheduler.set_timesteps(num_inference_steps, device=device)
         factor = self.vae_scale_factor
         height = height or self.unet.config.sample_size * factor
@@ -373,17 +320,3 @@ def in_dtype(condition: dict, dtype: torch.dtype) -> dict:
         else:
             cast[key] = value.to(dtype)
     return cast
-
-
-def seeded_draws(seeds: list[int], latent_shape, num_timesteps: int, device) -> dict[str, torch.Tensor]:
-    """Per sample, from a CPU generator seeded with its seed (so the same on any device): the
-    posterior's standard normal `latent`, the `noise`, a timestep, and the per-channel `offset`
-    noise, drawn in that order (the offset last, so offset_noise leaves the others unchanged)."""
-    draws = {"latent": [], "noise": [], "timesteps": [], "offset": []}
-    for seed in seeds:
-        generator = torch.Generator().manual_seed(seed)
-        draws["latent"].append(torch.randn(latent_shape, generator=generator))
-        draws["noise"].append(torch.randn(latent_shape, generator=generator))
-        draws["timesteps"].append(torch.randint(0, num_timesteps, (), generator=generator))
-        draws["offset"].append(torch.randn(latent_shape[0], 1, 1, generator=generator))
-    return {name: torch.stack(values).to(device) for name, values in draws.items()}
