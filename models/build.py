@@ -8,26 +8,14 @@ import re
 from pathlib import Path
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-    DDPMScheduler,
-    FlowMatchEulerDiscreteScheduler,
-    SD3Transformer2DModel,
-    UNet2DConditionModel,
-)
-from transformers import (
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    CLIPTokenizer,
-    T5EncoderModel,
-    T5TokenizerFast,
-)
+from diffusers import DDPMScheduler
 
+import models.family as families
 from compat.diffusers import AttnProcessor
+from models.family import FLOW_OPTIONS, OBJECTIVE_OPTIONS, load_component
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
 from models.mmdit import LOSS_WEIGHTINGS, RectifiedFlowTransformer
-from models.presets import PRESETS, build_components, bundled_t5, denoiser_name, family
-from models.sdxl import StableDiffusionXL
+from models.presets import PRESETS, build_components, bundled_t5, denoiser_name
 from models.sharding import GRANULARITIES
 from models.sharding import configure as configure_sharding
 from models.stable_diffusion import StableDiffusion
@@ -36,35 +24,6 @@ from models.torch_compile import compile_denoiser
 
 log = logging.getLogger(__name__)
 
-# What `pretrained_components` may name, and the diffusers subfolder and class of each.
-COMPONENTS = {
-    "unet": ("unet", UNet2DConditionModel),
-    "vae": ("vae", AutoencoderKL),
-    "text_encoder": ("text_encoder", CLIPTextModel),
-    "tokenizer": ("tokenizer", CLIPTokenizer),
-    "scheduler": ("scheduler", DDPMScheduler),
-    # SDXL's and SD3's second text encoder and its tokenizer: named with their first ones (_partners).
-    "text_encoder_2": ("text_encoder_2", CLIPTextModelWithProjection),
-    "tokenizer_2": ("tokenizer_2", CLIPTokenizer),
-    # SD3's (family "mmdit"): the transformer in place of the UNet, and the optional T5 encoder with its
-    # tokenizer (each loads the other: _partners).
-    "transformer": ("transformer", SD3Transformer2DModel),
-    "text_encoder_3": ("text_encoder_3", T5EncoderModel),
-    "tokenizer_3": ("tokenizer_3", T5TokenizerFast),
-}
-# Where a family's folder holds another class under the same name: SD3's CLIP ViT-L keeps its
-# projection (its pooled output conditions the transformer), and its scheduler is a flow-matching one.
-FAMILY_CLASSES = {
-    "mmdit": {"text_encoder": CLIPTextModelWithProjection, "scheduler": FlowMatchEulerDiscreteScheduler},
-}
-# The components only some families have.
-FAMILY_COMPONENTS = {
-    "sd": {"unet", "vae", "text_encoder", "tokenizer", "scheduler"},
-    "sdxl": {"unet", "vae", "text_encoder", "tokenizer", "scheduler", "text_encoder_2", "tokenizer_2"},
-    "mmdit": {"transformer", "vae", "text_encoder", "tokenizer", "scheduler", "text_encoder_2", "tokenizer_2"}
-    | {"text_encoder_3", "tokenizer_3"},
-}
-MODEL_CLASSES = {"sd": StableDiffusion, "sdxl": StableDiffusionXL, "mmdit": RectifiedFlowTransformer}
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -78,41 +37,21 @@ def check_pretrained(pretrained: str) -> None:
     raise FileNotFoundError(f"model.pretrained={pretrained}: no such folder (and not a hub id like org/name)")
 
 
-def load_component(name: str, pretrained: str, preset: str | None = None):
-    subfolder, cls = COMPONENTS[name]
-    if preset is not None:
-        cls = FAMILY_CLASSES.get(family(preset), {}).get(name, cls)
-    local = Path(pretrained).expanduser()
-    if local.exists() and not (local / subfolder).is_dir():
-        raise FileNotFoundError(f"model.pretrained={pretrained} has no '{subfolder}/' folder for the {name}")
-    source = str(local) if local.exists() else pretrained
-    return cls.from_pretrained(source, subfolder=subfolder)
-
-
 def _partners(preset: str, components) -> list[str]:
-    """`components` with the parts that must come from the same folder as a named one added: for an
-    SDXL or SD3 preset text_encoder_2 / tokenizer_2 wherever text_encoder / tokenizer is named (a
-    diffusers folder holds both, and one without the other mixes models); for SD3, T5's encoder and
-    tokenizer with each other (ids of one tokenizer mean nothing to another's encoder)."""
-    names = list(components)
-    pairs = []
-    if family(preset) in ("sdxl", "mmdit"):
-        pairs += [("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2")]
-    if family(preset) == "mmdit":
-        pairs += [("text_encoder_3", "tokenizer_3"), ("tokenizer_3", "text_encoder_3")]
-    for first, partner in pairs:
-        if first in names and partner not in names:
-            names.append(partner)
-    return names
+    """`components` with the parts that must come from the same folder as a named one added (the
+    family's `partners`: SDXL's and SD3's second CLIP with the first, SD3's T5 with its tokenizer)."""
+    return families.of(preset).partners_of(components)
 
 
 def bundled_tokenizers(preset: str) -> dict:
     """The bundled BPE tokenizer(s) of a preset, each with its padding, and a `bundled_t5` preset's
     offline T5 tokenizer (models/tokenizer.py)."""
     spec = PRESETS[preset]
-    tokenizers = {"tokenizer": build_tokenizer(pad_token=spec.get("pad_token", "!"))}
-    if family(preset) in ("sdxl", "mmdit"):
-        tokenizers["tokenizer_2"] = build_tokenizer(pad_token=spec["pad_token_2"])
+    # Each CLIP tokenizer pads as its preset says: `pad_token`, `pad_token_2`.
+    tokenizers = {}
+    for name in families.of(preset).tokenizers:
+        pad = "pad_token" + name.removeprefix("tokenizer")  # the first's may be left out: SD2's "!"
+        tokenizers[name] = build_tokenizer(pad_token=spec[pad] if name != "tokenizer" else spec.get(pad, "!"))
     if bundled_t5(preset):
         tokenizers["tokenizer_3"] = build_t5_tokenizer()
     return tokenizers
@@ -139,24 +78,22 @@ def build_encoders(preset: str, pretrained: str | None = None) -> dict:
 # model.param_dtype -> the dtype the denoiser's weights are cast to (None: left fp32).
 PARAM_DTYPES = {None: None, "float32": None, "bfloat16": torch.bfloat16}
 
-# The options of each objective, with their defaults: a preset of the other family refuses them.
-DDPM_OPTIONS = dict(prediction_type=None, offset_noise=0.0, min_snr_gamma=None, zero_terminal_snr=False)
-# timestep_shift None: the noise scheduler's shift (a loaded folder's, else the preset's).
-FLOW_OPTIONS = dict(timestep_mean=0.0, timestep_std=1.0, timestep_shift=None, loss_weighting=None)
-
 
 def _check_family_options(preset: str, given: dict) -> None:
-    """A DDPM option on an mmdit preset (or a rectified-flow one on a UNet preset) is an error naming
-    it, not silently ignored."""
-    foreign = DDPM_OPTIONS if family(preset) == "mmdit" else FLOW_OPTIONS
-    objective = "DDPM" if family(preset) == "mmdit" else "rectified-flow"
-    trains = "rectified flow" if family(preset) == "mmdit" else "the DDPM objective"
-    for key, default in foreign.items():
-        if given[key] != default:
-            raise ValueError(
-                f"model.{key} is a {objective} option; preset {preset!r} (family {family(preset)}) "
-                f"trains {trains}"
-            )
+    """An option of another objective than the preset's family trains (a DDPM option on an mmdit
+    preset, a rectified-flow one on a UNet preset) is an error naming it, not silently ignored."""
+    family = families.of(preset)
+    for objective, options in OBJECTIVE_OPTIONS.items():
+        for key, default in options.items():
+            if objective != family.objective and given[key] != default:
+                raise ValueError(
+                    f"model.{key} is a {OBJECTIVE_NAMES[objective][0]} option; preset {preset!r} (family "
+                    f"{family.name}) trains {OBJECTIVE_NAMES[family.objective][1]}"
+                )
+
+
+# Each objective's name in the errors: as an adjective, and as what a family trains.
+OBJECTIVE_NAMES = {"ddpm": ("DDPM", "the DDPM objective"), "flow": ("rectified-flow", "rectified flow")}
 
 
 def build_model(
@@ -229,7 +166,6 @@ def build_model(
         zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, attention,
         fsdp_wrap, activation_checkpointing, lora, param_dtype,
     )  # fmt: skip
-    kind = family(preset)
     parts = _parts(preset, pretrained, pretrained_components)
     options = _objective(preset, parts, pretrained_components if pretrained else (), objective)
     denoiser = parts[denoiser_name(preset)]
@@ -244,7 +180,7 @@ def build_model(
     if compile_unet:
         compile_denoiser(denoiser, compile_unet if isinstance(compile_unet, dict) else {})
 
-    model = MODEL_CLASSES[kind](caption_drop_prob=caption_drop_prob, **options, **parts)
+    model = families.of(preset).model_class(caption_drop_prob=caption_drop_prob, **options, **parts)
     if lora is not None:
         model.register_state_dict_post_hook(drop_frozen_weights)
     # For the checkpoint's model record (models/record.py).
@@ -313,22 +249,21 @@ def _check_switches(
     preset, pretrained_components, attention, lora, fsdp_wrap, activation_checkpointing
 ) -> None:
     """Errors naming the option for components and switches this preset's family does not have."""
-    kind = family(preset)
-    unknown = set(pretrained_components) - set(COMPONENTS)
-    unknown |= (set(pretrained_components) & set(COMPONENTS)) - FAMILY_COMPONENTS[kind]
+    family = families.of(preset)
+    unknown = set(pretrained_components) - set(family.components)
     if unknown:
         raise ValueError(
             f"pretrained_components: unknown {sorted(unknown)} for preset {preset!r}; choose from "
-            f"{sorted(FAMILY_COMPONENTS[kind])}"
+            f"{sorted(family.components)}"
         )
     if attention not in ("sdpa", "math"):
         raise ValueError(f"attention={attention!r}; choose 'sdpa' or 'math'")
-    if kind == "mmdit" and attention == "math":
+    if family.denoiser != "unet" and attention == "math":
         raise ValueError(
             "attention='math' is a UNet option: the transformer's joint attention runs sdpa only"
         )
-    if kind == "mmdit" and lora is not None:
-        raise ValueError("model.lora trains UNet presets only for now, not an mmdit preset")
+    if family.denoiser != "unet" and lora is not None:
+        raise ValueError(f"model.lora trains UNet presets only for now, not an {family.name} preset")
     for key, value in (("fsdp_wrap", fsdp_wrap), ("activation_checkpointing", activation_checkpointing)):
         if value is not None and value not in GRANULARITIES:
             raise ValueError(f"{key}={value!r}; choose one of {GRANULARITIES}")
@@ -352,13 +287,14 @@ def _parts(preset: str, pretrained: str | None, pretrained_components: list[str]
         key = "noise_scheduler" if name == "scheduler" else name
         parts[key] = load_component(name, pretrained, preset)
         log.info("loaded %s from %s", name, pretrained)
-    if family(preset) == "sdxl":
+    options = families.of(preset).options
+    if "force_zeros_for_empty_prompt" in options:  # SDXL's unconditional branch (models/sdxl.py)
         parts["force_zeros_for_empty_prompt"] = _pipeline_flag(
             pretrained, "force_zeros_for_empty_prompt", True
         )
     if "vae" in pretrained_components:  # the latent scale belongs to the VAE it was measured on
         parts["latent_scale"] = parts["vae"].config.scaling_factor
-        if family(preset) == "mmdit":  # and so does SD3's shift (None in VAEs that have none)
+        if "latent_shift" in options:  # and so does SD3's shift (None in VAEs that have none)
             parts["latent_shift"] = parts["vae"].config.get("shift_factor") or 0.0
     return parts
 
@@ -382,9 +318,9 @@ def _objective(preset: str, parts: dict, loaded, objective: dict) -> dict:
     """The model class's objective keywords: rectified flow's for an mmdit preset; else the DDPM
     prediction type (given, else a loaded scheduler's, else the preset's), offset noise and min-SNR,
     with the scheduler rescaled in `parts` for zero-terminal SNR."""
-    if family(preset) == "mmdit":
+    if families.of(preset).objective == "flow":
         flow = {key: objective[key] for key in FLOW_OPTIONS}
-        return dict(t5_tokens=PRESETS[preset]["t5_tokens"], **flow)
+        return dict(**families.preset_options(preset), **flow)
     prediction_type = objective["prediction_type"]
     if "scheduler" in loaded and prediction_type is None:  # e.g. SD2-768's v
         prediction_type = parts["noise_scheduler"].config.get("prediction_type", "epsilon")

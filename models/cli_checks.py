@@ -7,7 +7,7 @@ says `guidance=-1`, which recipes/config.py turns into `callbacks.samples.guidan
 
 import math
 
-from models.record import model_family
+from models.family import of_model
 
 
 class UsageError(ValueError):
@@ -47,9 +47,10 @@ def size_multiple_of(model) -> tuple[int, str]:
     for an mmdit model. A UNet takes any latent size (diffusers' UNet pads odd ones itself), but a
     side that is not a multiple of the VAE's factor is rounded down to one by sampling."""
     factor = model.vae_scale_factor
-    if model_family(model) != "mmdit":
+    family = of_model(model)
+    if not family.patches:
         return factor, f"the VAE's factor {factor}"
-    patch = model.transformer.config.patch_size
+    patch = getattr(model, family.denoiser).config.patch_size
     return factor * patch, f"the VAE's factor {factor} x the transformer's patch size {patch}"
 
 
@@ -71,5 +72,7 @@ def check_sampling_args(model, sizes: dict[str, int | None], rescale: tuple[str,
     for name, value in sizes.items():
         check_size(name, value, model)
     name, value = rescale
-    if value and model_family(model) == "mmdit":
-        raise UsageError(f"{_named(name, value)}: an mmdit model's flow sampling has no guidance rescale")
+    if value and not of_model(model).guidance_rescale:
+        raise UsageError(
+            f"{_named(name, value)}: an {of_model(model).name} model's flow sampling has no guidance rescale"
+        )

@@ -43,15 +43,11 @@ import logging
 from pathlib import Path
 
 import torch
-from diffusers import (
-    DDIMScheduler,
-    StableDiffusion3Pipeline,
-    StableDiffusionPipeline,
-    StableDiffusionXLPipeline,
-)
+from diffusers import DDIMScheduler, StableDiffusion3Pipeline, StableDiffusionXLPipeline
 
+import models.family as families
 from compat.transformers import init_empty_weights
-from models.build import MODEL_CLASSES, bundled_tokenizers
+from models.build import bundled_tokenizers
 from models.checkpoint_file import (
     CheckpointError,
     ema_state,
@@ -63,8 +59,9 @@ from models.checkpoint_file import (
 from models.lora import merge_lora, save_lora
 from models.mmdit import RectifiedFlowTransformer
 from models.out_dir import WriteError, check_out_dir, written_into_place
-from models.presets import PRESETS, build_components, family
-from models.record import autoencoder_preset, model_family, read_record, rebuild_model
+from models.presets import PRESETS, build_components
+from models.presets import family as family_name
+from models.record import autoencoder_preset, read_record, rebuild_model
 from models.sd3_folder import save_sd3_folder
 from models.stable_diffusion import StableDiffusion
 
@@ -72,11 +69,6 @@ log = logging.getLogger(__name__)
 
 # The networks a preset has of these (an mmdit preset's T5 only when the preset builds it, bundled_t5).
 COMPONENTS = ("unet", "transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
-PIPELINES = {
-    "sd": StableDiffusionPipeline,
-    "sdxl": StableDiffusionXLPipeline,
-    "mmdit": StableDiffusion3Pipeline,
-}
 PROG = "python -m models.export"  # argparse's default would be "export.py"
 
 
@@ -109,18 +101,16 @@ def _difference(expected: dict, weights: dict) -> str | None:
 
 
 def weights_family(weights: dict[str, torch.Tensor]) -> str:
-    """The family of a state dict (models.presets.family): "mmdit" with a transformer (it has a second
-    text encoder too), else "sdxl" with a second text encoder, else "sd"."""
-    if any(k.startswith("transformer.") for k in weights):
-        return "mmdit"
-    return "sdxl" if any(k.startswith("text_encoder_2.") for k in weights) else "sd"
+    """The family of a state dict (models.presets.family): the one whose networks its tensors' prefixes
+    name, the most of them (models.family.of_components)."""
+    return families.of_components({key.split(".")[0] for key in weights}).name
 
 
 def infer_preset(weights: dict[str, torch.Tensor]) -> str:
     """The preset whose architecture has exactly these tensor names and shapes. Only the presets of
     the weights' family are built (on the meta device): the others' names cannot match anyway."""
     differences = {}
-    for preset in (p for p in PRESETS if family(p) == weights_family(weights)):
+    for preset in (p for p in PRESETS if family_name(p) == weights_family(weights)):
         differences[preset] = _difference(_preset_shapes(preset), weights)
         if differences[preset] is None:
             return preset
@@ -209,19 +199,20 @@ def load_model_from_checkpoint(
             raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
         elif (why := _difference(_preset_shapes(preset), weights)) is not None:
             raise CheckpointError(f"{path} does not hold preset {preset!r}: {why}")
-        if family(preset) == "mmdit":
+        family = families.of(preset)
+        if "prediction_type" not in family.options:
             if prediction_type is not None:
                 raise CheckpointError(
                     f"--prediction-type {prediction_type}: preset {preset!r} predicts the flow "
                     "(rectified flow), it takes no prediction type"
                 )
             # Unrecorded: the default options, so it samples with the preset scheduler's shift.
-            options = {"t5_tokens": PRESETS[preset]["t5_tokens"]}
+            options = families.preset_options(preset)
         else:
             options = {"prediction_type": prediction_type or "epsilon"}
         with init_empty_weights():
             components = build_components(preset)
-        model = MODEL_CLASSES[family(preset)](**bundled_tokenizers(preset), **options, **components)
+        model = family.model_class(**bundled_tokenizers(preset), **options, **components)
         model.preset = preset
     model.load_state_dict(weights, strict=True, assign=True)
     return model.eval()
@@ -271,7 +262,7 @@ def _write_pipeline(model, folder: Path, out_dir: Path) -> None:
     """The pipeline's files into `folder` (a temporary name for `out_dir`, which the log names)."""
     # The pipeline decodes with vae.config.scaling_factor; the model with its own latent_scale.
     model.vae.register_to_config(scaling_factor=float(model.latent_scale))
-    pipeline_class = PIPELINES[model_family(model)]
+    pipeline_class = families.of_model(model).pipeline
     if pipeline_class is StableDiffusion3Pipeline:
         save_sd3_folder(model, folder, shown_as=out_dir)
         return
@@ -357,7 +348,7 @@ def export(args: argparse.Namespace) -> None:
                 f"{args.checkpoint} is not a LoRA checkpoint; export it without --lora/--merge-lora"
             )
     elif args.lora:
-        pipeline_class = PIPELINES[model_family(model)]
+        pipeline_class = families.of_model(model).pipeline
         out_dir = Path(args.out_dir)
         with written_into_place(out_dir) as tmp:
             save_lora(model.denoiser, tmp, pipeline_class)

@@ -17,22 +17,13 @@ before any sampling: the line names the nearest valid sizes, where sampling woul
 """
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
 import torch
-import yaml
-from diffusers import (
-    AutoencoderKL,
-    DDPMScheduler,
-    FlowMatchEulerDiscreteScheduler,
-    SD3Transformer2DModel,
-    UNet2DConditionModel,
-)
 from torchvision.utils import save_image
-from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
+import models.family as families
 from models.checkpoint_file import CheckpointError, check_checkpoint_file, one_line_errors
 from models.cli_checks import (
     UsageError,
@@ -43,20 +34,12 @@ from models.cli_checks import (
 )
 from models.export import add_weight_args, load_model_from_checkpoint
 from models.mmdit import RectifiedFlowTransformer
-from models.record import model_family
-from models.sd3_folder import README
-from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import SAMPLERS, StableDiffusion
 
 log = logging.getLogger(__name__)
 
 GRID_PADDING = 2  # pixels between the images of the grid (torchvision's default)
 PROG = "python -m models.generate"  # argparse's default would be "generate.py"
-# The T5 length of an SD3 folder that does not say its own (no README.md of models.export): SD3's.
-SD3_T5_TOKENS = 77
-# Each family's sampler when none is named: DDIM (deterministic) for a UNet, the flow's Euler steps.
-DEFAULT_SAMPLERS = {"sd": "ddim", "sdxl": "ddim", "mmdit": "euler"}
-FAMILY_SAMPLERS = {"sd": tuple(SAMPLERS), "sdxl": tuple(SAMPLERS), "mmdit": ("euler",)}
 
 
 class SamplerError(ValueError):
@@ -64,116 +47,30 @@ class SamplerError(ValueError):
 
 
 def sampler_for(model, sampler: str | None) -> str:
-    """`sampler`, or the model family's default when None; a sampler the family has not is a
-    SamplerError that names the ones it has."""
-    family = model_family(model)
+    """`sampler`, or the model family's default (its first: DDIM for a UNet, the flow's Euler steps)
+    when None; a sampler the family has not is a SamplerError that names the ones it has."""
+    family = families.of_model(model)
     if sampler is None:
-        return DEFAULT_SAMPLERS[family]
-    if sampler not in FAMILY_SAMPLERS[family]:
+        return family.samplers[0]
+    if sampler not in family.samplers:
         raise SamplerError(
-            f"sampler {sampler!r}: an {family} model samples with {' or '.join(FAMILY_SAMPLERS[family])}"
+            f"sampler {sampler!r}: an {family.name} model samples with {' or '.join(family.samplers)}"
         )
     return sampler
 
 
 def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion | RectifiedFlowTransformer:
-    """A StableDiffusion model from a diffusers StableDiffusionPipeline folder (models.export's
-    output, or any SD folder with the same components), on the CPU in eval mode; a
-    StableDiffusionXL model from a folder with a `text_encoder_2/` (a StableDiffusionXLPipeline's); a
-    RectifiedFlowTransformer from a folder with a `transformer/` (a StableDiffusion3Pipeline's)."""
+    """The model of a diffusers pipeline folder (models.export's output, or any folder with the same
+    components), on the CPU in eval mode: the family whose networks its subfolders hold
+    (models.family.of_components: a StableDiffusionXL with a `text_encoder_2/`, a
+    RectifiedFlowTransformer with a `transformer/`, T5 too when it has one)."""
     folder = Path(folder)
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(f"{folder} is not a diffusers pipeline folder (no model_index.json)")
-    if (folder / "transformer").is_dir():
-        return _load_sd3_folder(folder)
-    local = dict(local_files_only=True)
-    # Without `accelerate` installed diffusers cannot skip the random init; saying so explicitly
-    # silences its warning about it.
-    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", low_cpu_mem_usage=False, **local)
-    unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", low_cpu_mem_usage=False, **local)
-    # The saved sampler (DDIM) as the training DDPM schedule: generate() builds its sampler from it.
-    scheduler_config = DDPMScheduler.load_config(folder, subfolder="scheduler", **local)
-    parts = dict(
-        unet=unet,
-        vae=vae,
-        text_encoder=CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", **local),
-        tokenizer=CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", **local),
-        noise_scheduler=DDPMScheduler.from_config(scheduler_config),
-        latent_scale=vae.config.scaling_factor,
-        prediction_type=scheduler_config.get("prediction_type", "epsilon"),
-    )
-    if not (folder / "text_encoder_2").is_dir():
-        log.info("%s: loaded the pipeline's components", folder)
-        return StableDiffusion(**parts).eval()
-    index = json.loads((folder / "model_index.json").read_text())
-    text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2", **local)
-    tokenizer_2 = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", **local)
-    model = StableDiffusionXL(
-        **parts,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        # Its unconditional branch: zeros, or the empty prompt's embeddings (models/sdxl.py).
-        force_zeros_for_empty_prompt=index.get("force_zeros_for_empty_prompt", True),
-    )
-    log.info("%s: loaded the SDXL pipeline's components", folder)
+    family = families.of_components(path.name for path in folder.iterdir() if path.is_dir())
+    model = family.model_class(**families.load_folder(folder, family))
+    log.info("%s: loaded the %s pipeline's components", folder, family.pipeline.__name__)
     return model.eval()
-
-
-def _load_sd3_folder(folder: Path) -> RectifiedFlowTransformer:
-    """A StableDiffusion3Pipeline folder's components (T5 too when it has one), with the T5 length
-    its README.md says (models.export writes it), else SD3's 77."""
-    local = dict(local_files_only=True)
-    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", low_cpu_mem_usage=False, **local)
-    transformer = SD3Transformer2DModel.from_pretrained(
-        folder, subfolder="transformer", low_cpu_mem_usage=False, **local
-    )
-    parts = dict(
-        transformer=transformer,
-        vae=vae,
-        text_encoder=CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder", **local),
-        tokenizer=CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer", **local),
-        text_encoder_2=CLIPTextModelWithProjection.from_pretrained(
-            folder, subfolder="text_encoder_2", **local
-        ),
-        tokenizer_2=CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", **local),
-        noise_scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
-            folder, subfolder="scheduler", **local
-        ),
-        latent_scale=vae.config.scaling_factor,
-        latent_shift=vae.config.get("shift_factor") or 0.0,
-        t5_tokens=_t5_tokens(folder),
-    )
-    if (folder / "text_encoder_3").is_dir():
-        from transformers import T5EncoderModel, T5TokenizerFast
-
-        parts["text_encoder_3"] = T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_3", **local)
-        parts["tokenizer_3"] = T5TokenizerFast.from_pretrained(folder, subfolder="tokenizer_3", **local)
-    model = RectifiedFlowTransformer(**parts)
-    log.info(
-        "%s: loaded the SD3 pipeline's components (%s T5, %d T5 tokens)",
-        folder,
-        "with" if model.text_encoder_3 is not None else "no",
-        model.t5_tokens,
-    )
-    return model.eval()
-
-
-def _t5_tokens(folder: Path) -> int:
-    """max_sequence_length from the front matter of the folder's README.md, else SD3's 77."""
-    card = folder / README
-    if card.is_file():
-        text = card.read_text()
-        if text.startswith("---\n"):
-            front = yaml.safe_load(text[4 : text.find("\n---", 4)]) or {}
-            if isinstance(front, dict) and isinstance(front.get("max_sequence_length"), int):
-                return front["max_sequence_length"]
-    log.info(
-        "%s: no max_sequence_length in a README.md front matter; the T5 part of the context is %d tokens "
-        "(SD3's)",
-        folder,
-        SD3_T5_TOKENS,
-    )
-    return SD3_T5_TOKENS
 
 
 def check_source(path: str | Path, ema: bool | None = None) -> Path:

@@ -28,6 +28,7 @@ CLIPs, with the T5 tokenizer built offline (models/tokenizer.py build_t5_tokeniz
 (token ids, `sd-convert latents --t5`, an export with text_encoder_3) runs with no download.
 """
 
+import torch
 from diffusers import (
     AutoencoderKL,
     DDPMScheduler,
@@ -35,7 +36,14 @@ from diffusers import (
     SD3Transformer2DModel,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+from transformers import (
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    PreTrainedModel,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
 
 from models.tokenizer import T5_VOCAB_SIZE
 
@@ -344,15 +352,56 @@ def bundled_t5(preset: str) -> bool:
     return bool(PRESETS[preset].get("bundled_t5", False))
 
 
+# Each family's components, by diffusers' folder name, with their classes: the denoiser first, then the
+# order a preset's random weights are drawn in (a seed's bits depend on it). The model class, export
+# pipeline and record of each family: models/family.py.
+_SD = dict(
+    unet=UNet2DConditionModel,
+    vae=AutoencoderKL,
+    text_encoder=CLIPTextModel,
+    tokenizer=CLIPTokenizer,
+    scheduler=DDPMScheduler,
+)
+_SECOND_CLIP = dict(text_encoder_2=CLIPTextModelWithProjection, tokenizer_2=CLIPTokenizer)
+COMPONENT_CLASSES = {
+    "sd": _SD,
+    "sdxl": {**_SD, **_SECOND_CLIP},
+    # SD3's CLIP ViT-L keeps its projection (its pooled output conditions the transformer), its
+    # scheduler is a flow-matching one, and its T5 is optional (OPTIONAL).
+    "mmdit": dict(
+        transformer=SD3Transformer2DModel,
+        vae=AutoencoderKL,
+        text_encoder=CLIPTextModelWithProjection,
+        tokenizer=CLIPTokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler,
+        **_SECOND_CLIP,
+        text_encoder_3=T5EncoderModel,
+        tokenizer_3=T5TokenizerFast,
+    ),
+}
+# Components a family's model may go without: SD3's T5, built only by a `bundled_t5` preset.
+OPTIONAL = ("text_encoder_3", "tokenizer_3")
+
+
+def construct(cls, config: dict, recorded: bool = False):
+    """A component of class `cls` from its config: a preset's (the keywords of its constructor), or a
+    recorded one (`recorded`: the dict a diffusers or transformers config saves)."""
+    if issubclass(cls, PreTrainedModel):
+        config_class = cls.config_class
+        return cls(config_class.from_dict(config) if recorded else config_class(**config))
+    if recorded or not issubclass(cls, torch.nn.Module):  # a scheduler is built from its config alone
+        return cls.from_config(config)
+    return cls(**config)
+
+
 def family(preset: str) -> str:
-    """ "sd" (models/stable_diffusion.py), "sdxl" (models/sdxl.py) or "mmdit" (models/mmdit.py): which
-    model class a preset builds."""
+    """The name of `preset`'s family (models/family.py FAMILIES: which model class it builds)."""
     return PRESETS[preset].get("family", "sd")
 
 
 def denoiser_name(preset: str) -> str:
     """The trained network's component name: "unet", or "transformer" (diffusers' names)."""
-    return "transformer" if family(preset) == "mmdit" else "unet"
+    return next(iter(COMPONENT_CLASSES[family(preset)]))
 
 
 def vae_factor(preset: str) -> int:
@@ -361,12 +410,10 @@ def vae_factor(preset: str) -> int:
 
 
 def denoiser_factor(preset: str) -> int:
-    """Latents per smallest feature along each side: the UNet's downsamplings (2 per level below the
-    first), or the transformer's patch size."""
-    spec = PRESETS[preset]
-    if family(preset) == "mmdit":
-        return spec["transformer"]["patch_size"]
-    return 2 ** (len(spec["unet"]["block_out_channels"]) - 1)
+    """Latents per smallest feature along each side: a transformer's patch size, or the UNet's
+    downsamplings (2 per level below the first)."""
+    config = PRESETS[preset][denoiser_name(preset)]
+    return config.get("patch_size") or 2 ** (len(config["block_out_channels"]) - 1)
 
 
 def size_multiple(preset: str) -> int:
@@ -376,36 +423,19 @@ def size_multiple(preset: str) -> int:
 
 
 def build_components(preset: str, skip: tuple[str, ...] | list[str] = ()) -> dict:
-    """UNet (or transformer), VAE, text encoder(s) and noise scheduler of a preset, with random weights;
-    the components named in `skip` (e.g. those about to be loaded from a pretrained folder) are left
-    out. An mmdit preset's T5 (`text_encoder_3`) is built only when the preset has `bundled_t5`; else it
-    only loads from a folder."""
+    """The denoiser, VAE, text encoder(s) and noise scheduler of a preset (COMPONENT_CLASSES), with
+    random weights, and its latent scale (and shift); the components named in `skip` (e.g. those about
+    to be loaded from a pretrained folder) are left out. An OPTIONAL component (SD3's T5) is built only
+    when the preset has `bundled_t5`; else it only loads from a folder."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     spec = PRESETS[preset]
-    if family(preset) == "mmdit":
-        builders = dict(
-            transformer=lambda: SD3Transformer2DModel(**spec["transformer"]),
-            vae=lambda: AutoencoderKL(**spec["vae"]),
-            # Both CLIPs with their projections: the pooled vector is both projected outputs.
-            text_encoder=lambda: CLIPTextModelWithProjection(CLIPTextConfig(**spec["text_encoder"])),
-            noise_scheduler=lambda: FlowMatchEulerDiscreteScheduler.from_config(spec["scheduler"]),
-        )
-    else:
-        builders = dict(
-            unet=lambda: UNet2DConditionModel(**spec["unet"]),
-            vae=lambda: AutoencoderKL(**spec["vae"]),
-            text_encoder=lambda: CLIPTextModel(CLIPTextConfig(**spec["text_encoder"])),
-            noise_scheduler=lambda: DDPMScheduler.from_config(spec["scheduler"]),
-        )
-    if "text_encoder_2" in spec:
-        builders["text_encoder_2"] = lambda: CLIPTextModelWithProjection(
-            CLIPTextConfig(**spec["text_encoder_2"])
-        )
-    if bundled_t5(preset):  # drawn last: the other components' weights are mmdit-tiny's for a seed
-        builders["text_encoder_3"] = lambda: T5EncoderModel(T5Config(**spec["text_encoder_3"]))
-    parts = {name: build() for name, build in builders.items() if name not in skip}
-    scales = {"latent_scale": spec["latent_scale"]}
-    if family(preset) == "mmdit":
-        scales["latent_shift"] = spec["latent_shift"]
-    return {**parts, **scales}
+    parts = {}
+    for name, cls in COMPONENT_CLASSES[family(preset)].items():
+        key = "noise_scheduler" if name == "scheduler" else name
+        if name.startswith("tokenizer") or key in skip or name not in spec:
+            continue  # tokenizers: models.build.bundled_tokenizers
+        if name in OPTIONAL and not bundled_t5(preset):
+            continue
+        parts[key] = construct(cls, spec[name])
+    return {**parts, **{key: spec[key] for key in ("latent_scale", "latent_shift") if key in spec}}

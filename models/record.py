@@ -1,15 +1,14 @@
 """What a checkpoint must say to rebuild its model without flags: the model record.
 
-`describe(model)` gives the model family ("sd", "sdxl" or "mmdit": which class
-models.build.MODEL_CLASSES builds), the full component configs (UNet, VAE, text encoder; SDXL's
-text_encoder_2 too), each tokenizer's source and padding, the noise-schedule config,
-`prediction_type`, `zero_terminal_snr`, the latent scale and the preset name, as plain Python values.
-An "mmdit" record (models/mmdit.py) has the transformer's config in place of the UNet's, both CLIP
-encoders (each with its projection), the flow-matching scheduler's config, the latent shift,
-`t5_tokens` and the rectified-flow options (timestep_mean, timestep_std, timestep_shift as given:
-None for the scheduler's `shift`, a number or "auto", and loss_weighting); with T5, its config and
-the folder its tokenizer came from (T5's weights are in the checkpoint, its sentencepiece tokenizer
-is not). `ModelRecord`, a Composer callback that the recipes add to every run, writes it into every
+`describe(model)` gives the model family (a key of models.family.FAMILIES, whose `record_version`
+it carries), the full config of each of the family's networks (the denoiser, VAE, text encoders;
+None for an optional one the model goes without, SD3's T5), each tokenizer's source (and a CLIP
+tokenizer's padding), the noise-schedule config, `prediction_type`, `zero_terminal_snr`, the latent
+scale, the preset name and the family's `options` (SDXL's force_zeros_for_empty_prompt; an mmdit
+model's latent shift, `t5_tokens` and rectified-flow options: timestep_shift as given, None for the
+scheduler's `shift`, a number or "auto"), as plain Python values. T5's weights are in the
+checkpoint, its sentencepiece tokenizer is not: the record names the folder it came from.
+`ModelRecord`, a Composer callback that the recipes add to every run, writes it into every
 checkpoint (`state["callbacks"]["ModelRecord"]`); `read_record(state)` gets it back and
 `rebuild(record)` builds that architecture. The weights come from the checkpoint, so `rebuild` can
 run under `init_empty_weights` (no random init).
@@ -24,39 +23,22 @@ objective. So is one whose `param_dtype` differs: the optimizer's class differs 
 import logging
 from pathlib import Path
 
+import torch
 from composer.core import Callback
-from diffusers import (
-    AutoencoderKL,
-    DDPMScheduler,
-    FlowMatchEulerDiscreteScheduler,
-    SD3Transformer2DModel,
-    UNet2DConditionModel,
-)
-from transformers import (
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    CLIPTokenizer,
-    T5Config,
-    T5EncoderModel,
-    T5TokenizerFast,
-)
+from transformers import CLIPTokenizer, PreTrainedModel, T5TokenizerFast
 
-from models.presets import PRESETS, bundled_t5
+from models.family import FAMILIES, FLOW_OPTIONS, REQUIRED, of_model, of_record
+from models.presets import OPTIONAL, PRESETS, bundled_t5, construct
 from models.tokenizer import build_t5_tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
-# The record version per family, so that code reading fewer families refuses a record it cannot
-# rebuild by name: an SD record is version 1 (what SD-only code reads); an SDXL record is version 2
-# (a `family` and the second text encoder and tokenizer: SD-only code would rebuild an SD model
-# without the second encoder); an mmdit record is version 3 (a transformer, no UNet).
-VERSIONS = {"sd": 1, "sdxl": 2, "mmdit": 3}
+# The record version per family (models.family: record_version), so that code reading fewer
+# families refuses a record it cannot rebuild by name.
+VERSIONS = {name: family.record_version for name, family in FAMILIES.items()}
 # An autoencoder run's record (a `<preset>-vae` preset, models/autoencoder.py): family "vae", its
 # preset and VAE config. Not in VERSIONS: nothing samples with it, so `rebuild` refuses it.
 AUTOENCODER_VERSION = 1
-# The rectified-flow options an mmdit record keeps (models/mmdit.py), besides t5_tokens.
-FLOW_OPTIONS = ("timestep_mean", "timestep_std", "timestep_shift", "loss_weighting")
 
 
 def _plain(config) -> dict:
@@ -64,20 +46,14 @@ def _plain(config) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dict(config).items()}
 
 
-def model_family(model) -> str:
-    """The key of models.build.MODEL_CLASSES whose class `model` is (the most derived one)."""
-    from models.build import MODEL_CLASSES
-
-    matches = [name for name, cls in MODEL_CLASSES.items() if isinstance(model, cls)]
-    if not matches:
-        raise TypeError(f"{type(model).__name__} is none of {sorted(MODEL_CLASSES)}'s classes")
-    return max(matches, key=lambda name: len(MODEL_CLASSES[name].__mro__))
+def _config(module) -> dict:
+    """A network's config as plain values: a transformers model's dict, a diffusers model's."""
+    return module.config.to_dict() if isinstance(module, PreTrainedModel) else _plain(module.config)
 
 
-def record_family(record: dict) -> str:
-    """The record's model family, "sd", "sdxl" or "mmdit"; records written before SDXL have none and
-    are SD."""
-    return record.get("family", "sd")
+def _value(value):
+    """A model option as a plain value (a latent shift is a tensor buffer)."""
+    return float(value) if hasattr(value, "item") else value
 
 
 def describe(model) -> dict:
@@ -93,15 +69,12 @@ def describe(model) -> dict:
             "vae": _plain(model.vae.config),
         }
     scheduler = _plain(model.noise_scheduler.config)
-    family = model_family(model)
+    family = of_model(model)
     source = getattr(model, "tokenizer_source", None)
     record = {
-        "version": VERSIONS[family],
-        "family": family,
+        "version": family.record_version,
+        "family": family.name,
         "preset": getattr(model, "preset", None),
-        "vae": _plain(model.vae.config),
-        "text_encoder": model.text_encoder.config.to_dict(),
-        "tokenizer": {"source": source, "pad_token": str(model.tokenizer.pad_token)},
         "scheduler": scheduler,
         "prediction_type": model.prediction_type,
         "zero_terminal_snr": bool(scheduler.get("rescale_betas_zero_snr", False)),
@@ -114,22 +87,15 @@ def describe(model) -> dict:
         # masters in the optimizer state. `rebuild` builds fp32 whatever it is (models/export.py).
         "param_dtype": str(model.denoiser_dtype).removeprefix("torch."),
     }
-    if family == "mmdit":
-        record["transformer"] = _plain(model.transformer.config)
-        record["latent_shift"] = float(model.latent_shift)
-        record["t5_tokens"] = model.t5_tokens
-        record.update({key: getattr(model, key) for key in FLOW_OPTIONS})
-        record["text_encoder_3"] = record["tokenizer_3"] = None
-        if model.text_encoder_3 is not None:
-            record["text_encoder_3"] = model.text_encoder_3.config.to_dict()
-            record["tokenizer_3"] = {"source": _t5_source(model)}
-    else:
-        record["unet"] = _plain(model.unet.config)
-    if family == "sdxl":  # what its unconditional branch is (models/sdxl.py)
-        record["force_zeros_for_empty_prompt"] = model.force_zeros_for_empty_prompt
-    if family in ("sdxl", "mmdit"):  # loaded from the same folder as the first (models.build._partners)
-        record["text_encoder_2"] = model.text_encoder_2.config.to_dict()
-        record["tokenizer_2"] = {"source": source, "pad_token": str(model.tokenizer_2.pad_token)}
+    for name, cls in family.components.items():
+        part = getattr(model, name, None) if name != "scheduler" else None
+        if issubclass(cls, torch.nn.Module):
+            record[name] = None if part is None else _config(part)
+        elif name in OPTIONAL:  # T5's tokenizer: where it came from (the CLIPs' are bundled BPE)
+            record[name] = None if part is None else {"source": _t5_source(model)}
+        elif name != "scheduler":
+            record[name] = {"source": source, "pad_token": str(part.pad_token)}
+    record.update({key: _value(getattr(model, key)) for key in family.options})
     return record
 
 
@@ -151,56 +117,32 @@ def _tokenizer(entry: dict, subfolder: str) -> CLIPTokenizer:
 
 
 def rebuild(record: dict) -> dict:
-    """The components and options of `MODEL_CLASSES[record_family(record)](...)` for `record`
-    (models.build.MODEL_CLASSES); weights are random (or empty under `init_empty_weights`) until a
-    state dict is loaded."""
-    family = record_family(record)
-    if family not in VERSIONS:
-        raise ValueError(f"model record of family {family!r}; this code reads {sorted(VERSIONS)}")
-    if record.get("version") != VERSIONS[family]:
+    """The components and options of the family's model class for `record` (models.family); weights
+    are random (or empty under `init_empty_weights`) until a state dict is loaded."""
+    name = of_record(record)
+    if name not in FAMILIES:
+        raise ValueError(f"model record of family {name!r}; this code reads {sorted(VERSIONS)}")
+    family = FAMILIES[name]
+    if record.get("version") != family.record_version:
         raise ValueError(
-            f"model record version {record.get('version')!r}; this code reads version {VERSIONS[family]} "
-            f"for family {family!r}"
+            f"model record version {record.get('version')!r}; this code reads version "
+            f"{family.record_version} for family {name!r}"
         )
-    if family == "mmdit":
-        return _rebuild_mmdit(record)
-    parts = dict(
-        unet=UNet2DConditionModel.from_config(record["unet"]),
-        vae=AutoencoderKL.from_config(record["vae"]),
-        text_encoder=CLIPTextModel(CLIPTextConfig.from_dict(record["text_encoder"])),
-        tokenizer=_tokenizer(record["tokenizer"], "tokenizer"),
-        noise_scheduler=DDPMScheduler.from_config(record["scheduler"]),
-        latent_scale=record["latent_scale"],
-        prediction_type=record["prediction_type"],
-    )
-    if family == "sdxl":
-        config = CLIPTextConfig.from_dict(record["text_encoder_2"])
-        parts["text_encoder_2"] = CLIPTextModelWithProjection(config)
-        parts["tokenizer_2"] = _tokenizer(record["tokenizer_2"], "tokenizer_2")
-        parts["force_zeros_for_empty_prompt"] = record.get("force_zeros_for_empty_prompt", True)
-    return parts
-
-
-def _rebuild_mmdit(record: dict) -> dict:
-    """RectifiedFlowTransformer's components and options; T5 (when the record has it) with its
-    tokenizer from the folder the run loaded it from."""
-    parts = dict(
-        transformer=SD3Transformer2DModel.from_config(record["transformer"]),
-        vae=AutoencoderKL.from_config(record["vae"]),
-        # Both CLIPs with their projections: the pooled vector is both projected outputs.
-        text_encoder=CLIPTextModelWithProjection(CLIPTextConfig.from_dict(record["text_encoder"])),
-        tokenizer=_tokenizer(record["tokenizer"], "tokenizer"),
-        text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig.from_dict(record["text_encoder_2"])),
-        tokenizer_2=_tokenizer(record["tokenizer_2"], "tokenizer_2"),
-        noise_scheduler=FlowMatchEulerDiscreteScheduler.from_config(record["scheduler"]),
-        latent_scale=record["latent_scale"],
-        latent_shift=record["latent_shift"],
-        t5_tokens=record["t5_tokens"],
-        **{key: record[key] for key in FLOW_OPTIONS},
-    )
-    if record.get("text_encoder_3") is not None:
-        parts["text_encoder_3"] = T5EncoderModel(T5Config.from_dict(record["text_encoder_3"]))
-        parts["tokenizer_3"] = _t5_tokenizer(record["tokenizer_3"]["source"], record.get("preset"))
+    parts = {}
+    for part, cls in family.components.items():
+        if part == "scheduler":
+            parts["noise_scheduler"] = cls.from_config(record["scheduler"])
+        elif issubclass(cls, torch.nn.Module):
+            if record.get(part) is not None:  # an optional one (T5) the model went without: None
+                parts[part] = construct(cls, record[part], recorded=True)
+        elif part in OPTIONAL:
+            if record.get(part.replace("tokenizer", "text_encoder")) is not None:
+                parts[part] = _t5_tokenizer(record[part]["source"], record.get("preset"))
+        else:
+            parts[part] = _tokenizer(record[part], part)
+    parts["latent_scale"] = record["latent_scale"]
+    for key, default in family.options.items():
+        parts[key] = record[key] if default is REQUIRED else record.get(key, default)
     return parts
 
 
@@ -224,9 +166,7 @@ def _t5_tokenizer(source: str | None, preset: str | None = None) -> T5TokenizerF
 def rebuild_model(record: dict):
     """The model `record` describes (its class from the family), with `preset` and `tokenizer_source`
     set as models.build sets them; weights as `rebuild`'s."""
-    from models.build import MODEL_CLASSES
-
-    model = MODEL_CLASSES[record_family(record)](**rebuild(record))
+    model = FAMILIES[of_record(record)].model_class(**rebuild(record))
     model.preset, model.tokenizer_source = record.get("preset"), record["tokenizer"].get("source")
     if record.get("tokenizer_3"):
         model.tokenizer_3_source = record["tokenizer_3"]["source"]
@@ -239,7 +179,7 @@ def autoencoder_preset(state: dict) -> str | None:
     recorded theirs, by its tensors (the VAE's and the latent variance); else None."""
     record = read_record(state)
     if record is not None:
-        return (record.get("preset") or "a -vae preset") if record_family(record) == "vae" else None
+        return (record.get("preset") or "a -vae preset") if of_record(record) == "vae" else None
     names = [name.removeprefix("module.") for name in state.get("model") or {}]
     if names and all(name.startswith("vae.") or name == "latent_var" for name in names):
         return "a -vae preset"
@@ -279,6 +219,7 @@ def _setting(record: dict, key: str):
     value = record.get(key)
     if key == "param_dtype":  # records written before it trained fp32
         return value or "float32"
-    if key == "timestep_shift" and value is None and record_family(record) == "mmdit":
+    family = FAMILIES.get(of_record(record))
+    if key == "timestep_shift" and value is None and family is not None and key in family.options:
         return (record.get("scheduler") or {}).get("shift", 1.0)
     return value

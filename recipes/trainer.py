@@ -32,7 +32,8 @@ from extensions.ema import find_ema
 from extensions.master_weights import MasterWeightAdamW, needs_masters
 from extensions.persistent_grads import PersistentGradients
 from models import Autoencoder, build
-from models.build import MODEL_CLASSES, check_pretrained
+from models.build import check_pretrained
+from models.family import MODEL_CLASSES
 from models.presets import size_multiple
 from models.record import ModelRecord, describe
 from models.torch_compile import compiles_with_cudagraphs

@@ -1,0 +1,223 @@
+"""The model families: one `Family` per kind of model, in `FAMILIES`, keyed by the name a preset's
+`family` gives (models.presets.family). Everything that differs between families is read from here:
+the model class, the components and their classes (models.presets.COMPONENT_CLASSES, where a preset's
+random weights are built), which components load together, the objective, the export pipeline, the
+model record's version and options, and what `sd-convert latents` stores. Code elsewhere asks the
+family (`of(preset)`, `of_model(model)`, `of_record(record)`), never compares a family's name.
+
+The one component loader: `load_component` (a diffusers folder or hub id) and `load_folder` (an
+exported pipeline folder) here, `models.presets.build_components` (a preset's random weights) and
+`models.record.rebuild` (a checkpoint's record), all over the same table.
+"""
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers.models.modeling_utils import ModelMixin
+
+from models.mmdit import RectifiedFlowTransformer
+from models.presets import COMPONENT_CLASSES, OPTIONAL, PRESETS
+from models.presets import family as family_name
+from models.sd3_folder import README
+from models.sdxl import StableDiffusionXL
+from models.stable_diffusion import SAMPLERS, StableDiffusion
+
+log = logging.getLogger(__name__)
+
+REQUIRED = object()  # an option every record of the family has (no default)
+# The rectified-flow objective's options (models/mmdit.py); timestep_shift None: the scheduler's shift.
+FLOW_OPTIONS = dict(timestep_mean=0.0, timestep_std=1.0, timestep_shift=None, loss_weighting=None)
+# The DDPM objective's options with their defaults; a preset of a flow family refuses them.
+DDPM_OPTIONS = dict(prediction_type=None, offset_noise=0.0, min_snr_gamma=None, zero_terminal_snr=False)
+# The T5 length of an SD3 folder that does not say its own (no README.md of models.export): SD3's.
+SD3_T5_TOKENS = 77
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. `options`: the model class's keywords (besides its components) that the
+    model record keeps and `rebuild` gives back, each with its default (REQUIRED: none)."""
+
+    name: str
+    model_class: type
+    pipeline: type  # the diffusers pipeline models.export writes
+    record_version: int  # code that reads fewer families refuses a record it cannot rebuild
+    objective: str  # "ddpm" or "flow": which build_model options the family takes (OBJECTIVE_OPTIONS)
+    options: dict = field(default_factory=dict)
+    # (named, partner): a component loaded with its partner from the same folder (ids of one
+    # tokenizer mean nothing to another's encoder; one CLIP without the other mixes models).
+    partners: tuple[tuple[str, str], ...] = ()
+    pooled_encoders: tuple[str, ...] = ()  # whose pooled, projected outputs condition the denoiser
+    micro_conditioning: bool = False  # SDXL's original size and crop (convert/latents.py columns)
+    reads_t5: bool = False  # a T5 context, optional (text_encoder_3)
+    patches: bool = False  # the denoiser cuts latents into patches: sides are multiples of them too
+    samplers: tuple[str, ...] = tuple(SAMPLERS)  # the first is the default
+    guidance_rescale: bool = True  # generate's guidance rescale (Lin et al. 2023) applies
+
+    @property
+    def components(self) -> dict[str, type]:
+        """Component name (diffusers' folder name) -> class, the denoiser first."""
+        return COMPONENT_CLASSES[self.name]
+
+    @property
+    def denoiser(self) -> str:
+        """The trained network's component name, "unet" or "transformer"."""
+        return next(iter(self.components))
+
+    @property
+    def tokenizers(self) -> tuple[str, ...]:
+        """The bundled BPE tokenizers: every CLIP tokenizer of the family."""
+        return tuple(n for n in self.components if n.startswith("tokenizer") and n not in OPTIONAL)
+
+    def partners_of(self, names) -> list[str]:
+        """`names` with the partner of each named component added."""
+        names = list(names)
+        for first, partner in self.partners:
+            if first in names and partner not in names:
+                names.append(partner)
+        return names
+
+    def folder_options(self, folder: Path, parts: dict) -> dict:
+        """The model's options from an exported pipeline folder whose components are `parts`."""
+        options = {"latent_scale": parts["vae"].config.scaling_factor}
+        if "prediction_type" in self.options:
+            options["prediction_type"] = parts["noise_scheduler"].config.get("prediction_type", "epsilon")
+        if "force_zeros_for_empty_prompt" in self.options:  # SDXL's unconditional branch (models/sdxl.py)
+            index = json.loads((folder / "model_index.json").read_text())
+            options["force_zeros_for_empty_prompt"] = index.get("force_zeros_for_empty_prompt", True)
+        if "latent_shift" in self.options:
+            options["latent_shift"] = parts["vae"].config.get("shift_factor") or 0.0
+        if "t5_tokens" in self.options:
+            options["t5_tokens"] = _t5_tokens(folder)
+        return options
+
+
+OBJECTIVE_OPTIONS = {"ddpm": DDPM_OPTIONS, "flow": FLOW_OPTIONS}
+_SDXL_PARTNERS = (("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2"))
+
+FAMILIES = {
+    family.name: family
+    for family in (
+        Family("sd", StableDiffusion, StableDiffusionPipeline, 1, "ddpm", {"prediction_type": REQUIRED}),
+        Family(
+            "sdxl",
+            StableDiffusionXL,
+            StableDiffusionXLPipeline,
+            2,  # a second text encoder and tokenizer: SD-only code would rebuild it without them
+            "ddpm",
+            {"prediction_type": REQUIRED, "force_zeros_for_empty_prompt": True},
+            partners=_SDXL_PARTNERS,
+            pooled_encoders=("text_encoder_2",),
+            micro_conditioning=True,
+        ),
+        Family(
+            "mmdit",
+            RectifiedFlowTransformer,
+            StableDiffusion3Pipeline,
+            3,  # a transformer, no UNet
+            "flow",
+            {"latent_shift": REQUIRED, "t5_tokens": REQUIRED, **dict.fromkeys(FLOW_OPTIONS, REQUIRED)},
+            partners=_SDXL_PARTNERS + (("text_encoder_3", "tokenizer_3"), ("tokenizer_3", "text_encoder_3")),
+            pooled_encoders=("text_encoder", "text_encoder_2"),
+            reads_t5=True,
+            patches=True,
+            samplers=("euler",),
+            guidance_rescale=False,
+        ),
+    )
+}
+MODEL_CLASSES = {name: family.model_class for name, family in FAMILIES.items()}
+
+
+def of(preset: str) -> Family:
+    """`preset`'s family."""
+    return FAMILIES[family_name(preset)]
+
+
+def of_model(model) -> Family:
+    """The family whose model class `model` is (the most derived one: an SDXL model is an SD model)."""
+    matches = [f for f in FAMILIES.values() if isinstance(model, f.model_class)]
+    if not matches:
+        raise TypeError(f"{type(model).__name__} is none of {sorted(FAMILIES)}'s classes")
+    return max(matches, key=lambda f: len(f.model_class.__mro__))
+
+
+def of_record(record: dict) -> str:
+    """The name of a model record's family; records written before SDXL have none and are SD."""
+    return record.get("family", "sd")
+
+
+def of_components(names) -> Family:
+    """The family whose networks are all among `names` (a folder's subfolders, a state dict's
+    prefixes), the one with the most of them: with a second text encoder SDXL rather than SD."""
+    names = set(names)
+    fits = [f for f in FAMILIES.values() if _networks(f) <= names]
+    return max(fits, key=lambda f: len(_networks(f)), default=FAMILIES["sd"])
+
+
+def _networks(family: Family) -> set[str]:
+    return {n for n, cls in family.components.items() if n not in OPTIONAL and _is_network(cls)}
+
+
+def _is_network(cls) -> bool:
+    return issubclass(cls, torch.nn.Module)
+
+
+def load_component(name: str, pretrained: str, preset: str | None = None, **kwargs):
+    """Component `name` of `preset`'s family (SD's classes without a preset) from the diffusers
+    folder or hub id `pretrained`."""
+    cls = (of(preset) if preset is not None else FAMILIES["sd"]).components.get(name)
+    if cls is None:
+        cls = next(f.components[name] for f in FAMILIES.values() if name in f.components)
+    local = Path(pretrained).expanduser()
+    if local.exists() and not (local / name).is_dir():
+        raise FileNotFoundError(f"model.pretrained={pretrained} has no '{name}/' folder for the {name}")
+    source = str(local) if local.exists() else pretrained
+    return cls.from_pretrained(source, subfolder=name, **kwargs)
+
+
+def load_folder(folder: Path, family: Family) -> dict:
+    """The components and options of `family`'s model from an exported pipeline folder (an
+    OPTIONAL component when the folder has it)."""
+    parts = {}
+    for name, cls in family.components.items():
+        if name in OPTIONAL and not (folder / name).is_dir():
+            continue
+        local = dict(local_files_only=True)
+        # Without `accelerate` installed diffusers cannot skip the random init; saying so explicitly
+        # silences its warning about it.
+        if issubclass(cls, ModelMixin):
+            local["low_cpu_mem_usage"] = False
+        if name == "scheduler":  # a saved sampler's config (DDIM) as the training schedule
+            parts["noise_scheduler"] = cls.from_config(cls.load_config(folder, subfolder=name, **local))
+        else:
+            parts[name] = cls.from_pretrained(folder, subfolder=name, **local)
+    return {**parts, **family.folder_options(folder, parts)}
+
+
+def _t5_tokens(folder: Path) -> int:
+    """max_sequence_length from the front matter of the folder's README.md, else SD3's 77."""
+    card = folder / README
+    if card.is_file():
+        text = card.read_text()
+        if text.startswith("---\n"):
+            front = yaml.safe_load(text[4 : text.find("\n---", 4)]) or {}
+            if isinstance(front, dict) and isinstance(front.get("max_sequence_length"), int):
+                return front["max_sequence_length"]
+    log.info(
+        "%s: no max_sequence_length in a README.md front matter; the T5 part of the context is %d tokens "
+        "(SD3's)",
+        folder,
+        SD3_T5_TOKENS,
+    )
+    return SD3_T5_TOKENS
+
+
+def preset_options(preset: str) -> dict:
+    """The options a preset gives its model besides its components and the objective's (models.build)."""
+    return {key: PRESETS[preset][key] for key in ("t5_tokens",) if key in of(preset).options}
