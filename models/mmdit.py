@@ -6,8 +6,9 @@ export loads there: `transformer` (SD3Transformer2DModel, the part that trains),
 with a shift as well as a scale), `text_encoder` (CLIP ViT-L/14) and `text_encoder_2` (OpenCLIP
 ViT-bigG/14), both CLIPTextModelWithProjection, with `tokenizer` and `tokenizer_2`, optionally
 `text_encoder_3` (T5) with `tokenizer_3`, and `noise_scheduler` (FlowMatchEulerDiscreteScheduler, the
-sampler). The family-independent parts (VAE moments, per-sample validation seeds, caption-dropout
-draws, metrics) are StableDiffusion's own functions, not copies.
+sampler). The family-independent parts (the training step's draws, VAE moments, per-sample validation
+seeds, caption-dropout draws, metrics, FLOPs per batch) are the shared model's
+(models/latent_diffusion.py).
 
 The objective is rectified flow with SD3's logit-normal timesteps, shift and loss weightings
 (models/objectives.py, RectifiedFlow; `self.objective`, whose options the attributes of the same names
@@ -38,18 +39,16 @@ Batch keys: `image` (or `latents`: the VAE moments, as `sd-convert latents` stor
 
 Training draws its latent samples, caption dropout, noise and timesteps from the global RNG;
 validation (`eval_forward`) draws the latent sample, noise and timestep of each sample from a
-generator seeded by its content (StableDiffusion.eval_seeds), so a checkpoint's validation loss is
+generator seeded by its content (LatentDiffusion.eval_seeds), so a checkpoint's validation loss is
 the same number every time.
 """
 
 import torch
 import torch.nn.functional as F
-from composer.models import ComposerModel
 from diffusers import FlowMatchEulerDiscreteScheduler
-from torchmetrics import MeanSquaredError
 
-from compat.diffusers import DiagonalGaussianDistribution
 from models.flops import transformer_training_flops
+from models.latent_diffusion import LatentDiffusion, in_dtype
 
 # The flow's names that models/build.py and tests import from here, where they lived before.
 from models.objectives import (  # noqa: F401
@@ -62,11 +61,10 @@ from models.objectives import (  # noqa: F401
     seeded_flow_draws,
     shift_timesteps,
 )
-from models.stable_diffusion import StableDiffusion, in_dtype
 from models.tokenizer import tokenize, tokenize_t5
 
 
-class RectifiedFlowTransformer(ComposerModel):
+class RectifiedFlowTransformer(LatentDiffusion):
     """`transformer` trains; the VAE and text encoders are frozen and stay in eval mode.
 
     Objective options (see the module docstring): timestep_mean, timestep_std (the logit-normal's,
@@ -80,23 +78,13 @@ class RectifiedFlowTransformer(ComposerModel):
     `eval_seed` seeds validation's random draws.
     """
 
-    eval_seed: int = 0
+    denoiser_name = "transformer"
+    frozen_names = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
     micro_conditioning = False  # no SDXL size conditioning: the data loader hands over no sizes
     prediction_type = "flow_prediction"  # diffusers' name for the velocity target, noise - x0
     zero_terminal_snr = False
     default_guidance_rescale = 0.0
 
-    # StableDiffusion's family-independent functions (they read only the VAE, the eval seed, the
-    # caption-dropout probability, the metric and `_diffuse`).
-    forward = StableDiffusion.forward
-    vae_moments = StableDiffusion.vae_moments
-    vae_scale_factor = StableDiffusion.vae_scale_factor
-    _drop_mask = StableDiffusion._drop_mask
-    denoiser_dtype = StableDiffusion.denoiser_dtype
-    eval_forward = StableDiffusion.eval_forward
-    eval_seeds = StableDiffusion.eval_seeds
-    get_metrics = StableDiffusion.get_metrics
-    update_metric = StableDiffusion.update_metric
     # The objective's options, which code and tests read (and set) on the model.
     noise_scheduler = forwarded("scheduler")
     timestep_mean = forwarded("timestep_mean")
@@ -125,12 +113,10 @@ class RectifiedFlowTransformer(ComposerModel):
         loss_weighting: str | None = None,
         caption_drop_prob: float = 0.0,
     ):
-        super().__init__()
-        if not 0.0 <= caption_drop_prob <= 1.0:
-            raise ValueError(f"caption_drop_prob must be in [0, 1], not {caption_drop_prob}")
-        self.objective = RectifiedFlow(
+        objective = RectifiedFlow(
             noise_scheduler, timestep_mean, timestep_std, timestep_shift, loss_weighting
         )
+        super().__init__(objective, caption_drop_prob)
         if (text_encoder_3 is None) != (tokenizer_3 is None):
             raise ValueError("text_encoder_3 (T5) and tokenizer_3 come together: give both or neither")
         config = transformer.config
@@ -152,8 +138,6 @@ class RectifiedFlowTransformer(ComposerModel):
         self.register_buffer("latent_scale", torch.tensor(float(latent_scale)))
         self.register_buffer("latent_shift", torch.tensor(float(latent_shift or 0.0)))
         self.t5_tokens = int(t5_tokens)
-        self.caption_drop_prob = caption_drop_prob
-        self.val_mse = MeanSquaredError()
         self._empty: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         # Sharding only the transformer: the frozen parts have no gradients or optimizer state.
         self.transformer._fsdp_wrap = True
@@ -161,18 +145,10 @@ class RectifiedFlowTransformer(ComposerModel):
             if frozen is not None:
                 frozen._fsdp_wrap = False
 
-    def train(self, mode: bool = True):
-        # Composer toggles train()/eval() on the whole model; the frozen parts must never leave eval.
-        super().train(mode)
-        for frozen in (self.vae, self.text_encoder, self.text_encoder_2, self.text_encoder_3):
-            if frozen is not None:
-                frozen.eval()
-        return self
-
     @property
-    def denoiser(self) -> torch.nn.Module:
-        """The trained network (StableDiffusion's is its UNet)."""
-        return self.transformer
+    def extra_context_tokens(self) -> int:
+        """T5's part of the context, which token ids and stored CLIP embeddings do not show."""
+        return self.t5_tokens
 
     # -- latents ---------------------------------------------------------------------------------
     def scale_latents(self, sample: torch.Tensor) -> torch.Tensor:
@@ -182,9 +158,6 @@ class RectifiedFlowTransformer(ComposerModel):
     def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """The inverse, what the VAE decodes: latents / scale + shift (as the SD3 pipeline decodes)."""
         return latents / self.latent_scale + self.latent_shift
-
-    def sample_latents(self, moments: torch.Tensor) -> torch.Tensor:
-        return self.scale_latents(DiagonalGaussianDistribution(moments.float()).sample())
 
     # -- conditioning ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -267,11 +240,9 @@ class RectifiedFlowTransformer(ComposerModel):
                 batch["input_ids"], batch["input_ids_2"], batch.get("input_ids_3")
             )
         if drop_captions:
-            drop = self._drop_mask(context.shape[0], context.device)
-            # No `if drop.any()`: that would wait for the GPU every step to save two cheap where()s.
-            empty_context, empty_pooled = self.empty_condition(context.device)
-            context = torch.where(drop[:, None, None], empty_context.to(context.dtype), context)
-            pooled = torch.where(drop[:, None], empty_pooled.to(pooled.dtype), pooled)
+            context, pooled = self.caption_dropout(
+                [context, pooled], lambda: self.empty_condition(context.device)
+            )
         return {"encoder_hidden_states": context, "pooled_projections": pooled}
 
     # -- training --------------------------------------------------------------------------------
@@ -295,43 +266,13 @@ class RectifiedFlowTransformer(ComposerModel):
         """Noise levels t in (0, 1) from standard normal draws: logit-normal, then shifted."""
         return self.objective.sample_timesteps(normal, image_size)
 
-    def _diffuse(self, batch, seeds: list[int] | None = None):
-        """(prediction, target, t) of the objective; the random draws come from the global RNG (the
-        latent sample, caption dropout, then the objective's), or with `seeds` (one per sample) from the
-        objective's `seeded_draws`, with no caption dropout."""
-        moments = batch["latents"] if "latents" in batch else self.vae_moments(batch["image"])
-        image_size = (moments.shape[-2] * self.vae_scale_factor, moments.shape[-1] * self.vae_scale_factor)
-        if seeds is None:
-            latents = self.sample_latents(moments)
-            condition = self.condition(batch, True, image_size)
-            draws = self.objective.draws(latents)
-        else:
-            posterior = DiagonalGaussianDistribution(moments.float())
-            draws = self.objective.seeded_draws(seeds, posterior.mean.shape[1:], moments.device)
-            latents = self.scale_latents(posterior.mean + posterior.std * draws["latent"])
-            condition = self.condition(batch, False, image_size)
-        noisy, timesteps, target, t = self.objective.diffuse(latents, draws, image_size)
-        dtype = self.denoiser_dtype
-        condition = in_dtype(condition, dtype)
-        prediction = self.transformer(hidden_states=noisy.to(dtype), timestep=timesteps, **condition).sample
-        return prediction, target, t
+    def denoise(self, noisy: torch.Tensor, timesteps: torch.Tensor, condition: dict) -> torch.Tensor:
+        return self.transformer(hidden_states=noisy, timestep=timesteps, **condition).sample
 
-    def loss(self, outputs, batch):
-        return self.objective.loss(*outputs)
-
-    # -- throughput ------------------------------------------------------------------------------
-    def flops_per_batch(self, batch) -> float:
-        """Transformer forward + backward FLOPs of a training batch (models/flops.py: patch embedding,
-        both streams' projections and MLPs, joint attention), for Composer's SpeedMonitor and MFU;
-        as StableDiffusion.flops_per_batch, the frozen encoders are left out."""
-        if "latents" in batch:
-            n, _, height, width = batch["latents"].shape
-        else:
-            n, _, height, width = batch["image"].shape
-            height, width = height // self.vae_scale_factor, width // self.vae_scale_factor
-        clip_tokens = (batch["text_embeds"] if "text_embeds" in batch else batch["input_ids"]).shape[1]
-        context = clip_tokens + self.t5_tokens
-        return n * transformer_training_flops(self.transformer.config, height, width, context)
+    def denoiser_flops(self, height: int, width: int, context_length: int) -> float:
+        """One sample's transformer forward + backward FLOPs (models/flops.py: patch embedding, both
+        streams' projections and MLPs, joint attention); the frozen encoders are left out."""
+        return transformer_training_flops(self.transformer.config, height, width, context_length)
 
     # -- sampling --------------------------------------------------------------------------------
     def prompt_condition(
@@ -398,15 +339,7 @@ class RectifiedFlowTransformer(ComposerModel):
         if not guided:
             condition = {key: value[n:] for key, value in condition.items()}
         shape = (n, self.transformer.config.in_channels, height // factor, width // factor)
-        if seeds is None:
-            noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-        elif len(seeds) != n:
-            raise ValueError(f"give one seed per prompt: {len(seeds)} seeds for {n} prompts")
-        else:
-            noise = torch.stack(
-                [torch.randn(shape[1:], generator=torch.Generator().manual_seed(s)) for s in seeds]
-            )
-        latents = noise.to(device, condition["encoder_hidden_states"].dtype)
+        latents = self.initial_noise(shape, seed, seeds).to(device, condition["encoder_hidden_states"].dtype)
         dtype = self.denoiser_dtype
         condition = in_dtype(condition, dtype)
         was_training = self.transformer.training

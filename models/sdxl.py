@@ -121,11 +121,7 @@ class StableDiffusionXL(StableDiffusion):
             context, pooled = self.encode_text(batch["input_ids"], batch["input_ids_2"])
         n, device = context.shape[0], context.device
         if drop_captions:
-            # No `if drop.any()`: that would wait for the GPU every step to save two cheap where()s.
-            drop = self._drop_mask(n, device)
-            empty_context, empty_pooled = self.unconditional(n, device)
-            context = torch.where(drop[:, None, None], empty_context.to(context.dtype), context)
-            pooled = torch.where(drop[:, None], empty_pooled.to(pooled.dtype), pooled)
+            context, pooled = self.caption_dropout([context, pooled], lambda: self.unconditional(n, device))
         added = {"text_embeds": pooled, "time_ids": self.time_ids(batch, n, image_size, device)}
         return {"encoder_hidden_states": context, "added_cond_kwargs": added}
 
