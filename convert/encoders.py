@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
+import models.family as families
 from convert.common import ConvertError
 from models.mmdit import RectifiedFlowTransformer
-from models.presets import PRESETS, bundled_t5, family
+from models.presets import PRESETS, bundled_t5
 from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import StableDiffusion
 
@@ -89,6 +90,12 @@ class MMDiTEncoders(Encoders):
         return super().to(device)
 
 
+# The encoders mirroring each family's model class.
+ENCODERS = {
+    StableDiffusion: Encoders,
+    StableDiffusionXL: SDXLEncoders,
+    RectifiedFlowTransformer: MMDiTEncoders,
+}
 T5_PARTS = ("text_encoder_3", "tokenizer_3")
 
 
@@ -111,18 +118,16 @@ def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) 
     """`preset`'s encoders from `pretrained`, or its random weights drawn from seed 0, so that every
     process of a run (and every run) encodes with the same ones. With `t5`, an mmdit preset's T5
     from `pretrained` too (a `bundled_t5` preset's own random one without `pretrained`)."""
-    from models.build import build_encoders, load_component
+    from models.build import build_encoders
+    from models.family import load_component
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         parts = build_encoders(preset, pretrained)
-    if family(preset) == "sdxl":
-        return SDXLEncoders(**parts)
-    if family(preset) == "mmdit":
-        if t5 and pretrained is not None:
-            parts.update({name: load_component(name, pretrained, preset) for name in T5_PARTS})
-        return MMDiTEncoders(**parts, t5_tokens=PRESETS[preset]["t5_tokens"])
-    return Encoders(**parts)
+    family = families.of(preset)
+    if t5 and family.reads_t5 and pretrained is not None:
+        parts.update({name: load_component(name, pretrained, preset) for name in T5_PARTS})
+    return ENCODERS[family.model_class](**parts, **families.preset_options(preset))
 
 
 ENCODER_PARTS = ("vae", "text_encoder", "tokenizer")
@@ -256,8 +261,9 @@ def check_encoder_flags(preset: str, pretrained: str | None, t5: bool) -> None:
             )
     else:
         log.warning("no --pretrained: encoding with the %s preset's random weights", preset)
-    if t5 and family(preset) != "mmdit":
-        raise ConvertError(f"--t5: preset {preset!r} (family {family(preset)}) reads no T5 context")
+    family = families.of(preset)
+    if t5 and not family.reads_t5:
+        raise ConvertError(f"--t5: preset {preset!r} (family {family.name}) reads no T5 context")
     if t5 and bundled_t5(preset) and pretrained is not None and not has_t5(pretrained):
         raise ConvertError(
             f"--preset {preset} reads T5 and --pretrained {pretrained} has no text_encoder_3/ and "
@@ -267,7 +273,7 @@ def check_encoder_flags(preset: str, pretrained: str | None, t5: bool) -> None:
         raise ConvertError(
             "--t5 needs --pretrained, a folder (or hub id) with text_encoder_3/ and tokenizer_3/"
         )
-    if not t5 and family(preset) == "mmdit" and has_t5(pretrained):
+    if not t5 and family.reads_t5 and has_t5(pretrained):
         log.info(
             "--pretrained %s has a T5 (text_encoder_3); not storing its context without --t5", pretrained
         )

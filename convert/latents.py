@@ -3,11 +3,11 @@
 Writes, per sample, `latents_{R}` for each resolution R (the VAE posterior's mean and logvar,
 unscaled, fp16: the model samples and scales them) and `text_embeds` (fp16), plus caption and key.
 Training on these skips the VAE and text encoder, about 1.4x faster for SD2 (mosaicml/diffusion).
-An SDXL preset (family "sdxl") writes what its UNet reads besides, as training on the
-images computes it (data/image_caption.py, models/sdxl.py): `text_embeds` (77, 2048) from both
+An SDXL preset (models/sdxl.py) writes what its UNet reads besides, as training on the
+images computes it (data/image_caption.py): `text_embeds` (77, 2048) from both
 encoders, `pooled_text_embeds` (1280,) fp16, `original_size` (height, width) and per resolution
-`crop_top_left_{R}` (top, left) int64 (data/latent_dataset.py reads them back). An mmdit preset (family
-"mmdit", models/mmdit.py) writes what RectifiedFlowTransformer reads instead of token ids, through its
+`crop_top_left_{R}` (top, left) int64 (data/latent_dataset.py reads them back). An mmdit preset
+(models/mmdit.py) writes what RectifiedFlowTransformer reads instead of token ids, through its
 own `encode_clip` and `encode_t5`: `text_embeds` (77, 768 + 1280 for sd3-medium), both CLIPs' context
 unpadded, `pooled_text_embeds` (2048,) both pooled vectors, and, when the `--pretrained` folder has a
 T5 (`text_encoder_3/` and `tokenizer_3/`), `text_embeds_3` (t5_tokens, 4096) fp16; its `latents_{R}`
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+import models.family as families
 from convert.common import Part, Skipped
 from convert.encoders import (
     Encoders,
@@ -55,7 +56,7 @@ from data.image_caption import original_size
 from data.latent_dataset import crop_column, latents_column
 from data.transforms import Crop
 from models.mmdit import RectifiedFlowTransformer
-from models.presets import PRESETS, bundled_t5, family, size_multiple
+from models.presets import PRESETS, bundled_t5, size_multiple
 from models.sdxl import StableDiffusionXL
 from models.tokenizer import tokenize
 
@@ -81,10 +82,10 @@ def columns(
 
 def preset_columns(preset: str, resolutions: list[int], t5: bool = False) -> dict[str, str]:
     """The columns `preset`'s family stores (`t5`: an mmdit preset's T5 context too)."""
-    kind = family(preset)
-    if t5 and kind != "mmdit":
-        raise ValueError(f"preset {preset!r} (family {kind}) reads no T5 context")
-    return columns(resolutions, kind == "sdxl", pooled=kind == "mmdit", t5=t5)
+    family = families.of(preset)
+    if t5 and not family.reads_t5:
+        raise ValueError(f"preset {preset!r} (family {family.name}) reads no T5 context")
+    return columns(resolutions, family.micro_conditioning, pooled=bool(family.pooled_encoders), t5=t5)
 
 
 def pixel_sizes(bucket: str, resolutions, preset: str) -> dict[int, tuple[int, int]]:

@@ -22,7 +22,7 @@ import torch
 from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.presets import PRESETS, build_components, denoiser_factor, denoiser_name, family, vae_factor
+from models.presets import PRESETS, build_components, denoiser_factor, denoiser_name, vae_factor
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def latent_size(preset: str, resolution: int) -> int:
     # Each UNet down block but the last halves the latents, and the up path must find the same sizes;
     # a transformer cuts the latents into patches.
     inner = denoiser_factor(preset)
-    what = "patch size" if family(preset) == "mmdit" else "UNet factor"
+    what = {"unet": "UNet factor", "transformer": "patch size"}[denoiser_name(preset)]
     if resolution <= 0 or resolution % (factor * inner):
         raise ValueError(
             f"resolution {resolution} for preset {preset!r} must be a positive multiple of "
@@ -123,7 +123,7 @@ def training_flops_per_image(preset: str, resolution: int) -> float:
     """FLOPs of the denoiser's forward + backward for one image of `resolution` x `resolution` pixels."""
     side = latent_size(preset, resolution)
     denoiser = _meta_components(preset)[denoiser_name(preset)]
-    step = _transformer_step_flops if family(preset) == "mmdit" else _unet_step_flops
+    step = {"unet": _unet_step_flops, "transformer": _transformer_step_flops}[denoiser_name(preset)]
     flops = step(denoiser, side, side, context_length(preset))
     log.info("%s at %d px (%dx%d latents): %.4g FLOP per image", preset, resolution, side, side, flops)
     return flops
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     for resolution in args.resolution:
         train = training_flops_per_image(args.preset, resolution)
         frozen = frozen_flops_per_image(args.preset, resolution)
-        name = "transformer" if family(args.preset) == "mmdit" else "UNet"
+        name = {"unet": "UNet", "transformer": "transformer"}[denoiser_name(args.preset)]
         line = (
             f"{args.preset} {resolution} px: {name} fwd+bwd {train / 1e12:.4g} TFLOP/image, "
             f"frozen VAE encoder + text encoders fwd {frozen / 1e12:.4g} TFLOP/image"

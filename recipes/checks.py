@@ -145,17 +145,19 @@ def resolution_problem(preset: str, key: str, resolution) -> str | None:
     """`data.<split>.resolution` positive and a multiple of what the preset's latents need: the VAE's
     factor (8: 30 px would silently train on 24 px crops of 3x3 latents), times the patch size for a
     transformer (its latents are cut into patches)."""
-    from models.presets import PRESETS, denoiser_factor, family, vae_factor
+    from models.family import of
+    from models.presets import PRESETS, denoiser_factor, vae_factor
 
     base = preset.removesuffix("-vae") if preset not in PRESETS else preset
     if base not in PRESETS:
         return None  # the preset check names it
     if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution <= 0:
         return f"'{key}.resolution' must be a positive number of pixels, got {resolution!r}"
-    multiple = vae_factor(base) * (denoiser_factor(base) if family(base) == "mmdit" else 1)
+    patches = of(base).patches  # a UNet takes any latent size; a transformer's are cut into patches
+    multiple = vae_factor(base) * (denoiser_factor(base) if patches else 1)
     if resolution % multiple:
         low, high = resolution // multiple * multiple, (resolution // multiple + 1) * multiple
-        why = "the VAE's factor x the patch size" if family(base) == "mmdit" else "the VAE's factor"
+        why = "the VAE's factor x the patch size" if patches else "the VAE's factor"
         nearest = f"{low} or {high}" if low else str(high)
         return (
             f"'{key}.resolution' is {resolution}, not a multiple of {multiple} ({why} for preset "

@@ -124,25 +124,24 @@ def prepare_random_latents(
     import numpy as np
 
     from convert.latents import preset_columns
-    from models.presets import PRESETS, family, vae_factor
+    from models.family import of
+    from models.presets import PRESETS, vae_factor
 
     local = Path(local)
     if (local / "index.json").exists():
         return local
-    spec, kind = PRESETS[preset], family(preset)
+    spec, family = PRESETS[preset], of(preset)
     cols = preset_columns(preset, list(resolutions), t5)
     encoders = [spec["text_encoder"]] + ([spec["text_encoder_2"]] if "text_encoder_2" in spec else [])
     # The stored context: sd2-base: OpenCLIP-H's 1024; SDXL and SD3: 768 + 1280 side by side (SD3's
     # unpadded: the model pads it to the joint width itself).
     width = sum(encoder["hidden_size"] for encoder in encoders)
     # The pooled vector: SDXL's second encoder's projection (1280); SD3's both projections (2048).
-    pooled = spec["text_encoder_2"]["projection_dim"] if kind == "sdxl" else None
-    if kind == "mmdit":
-        pooled = sum(encoder["projection_dim"] for encoder in encoders)
+    pooled = sum(spec[name]["projection_dim"] for name in family.pooled_encoders) or None
     channels, factor = spec["vae"]["latent_channels"], vae_factor(preset)
     # Unscaled latents that the model's scaling brings to about unit variance: SD's mean ~ 5 N(0, 1)
     # (scale 0.18215; SDXL's kept the same), an mmdit VAE's shift + N(0, 1) / scale.
-    std, shift = (1 / spec["latent_scale"], spec["latent_shift"]) if kind == "mmdit" else (5.0, 0.0)
+    std, shift = (1 / spec["latent_scale"], spec["latent_shift"]) if "latent_shift" in spec else (5.0, 0.0)
     rng = np.random.default_rng(seed)
 
     def rows():
@@ -154,7 +153,7 @@ def prepare_random_latents(
                 row[f"latents_{r}"] = np.concatenate([mean, np.full_like(mean, -6.0)]).astype(np.float16)
             if pooled is not None:
                 row["pooled_text_embeds"] = rng.standard_normal(pooled, np.float32).astype(np.float16)
-            if kind == "sdxl":
+            if family.micro_conditioning:
                 row["original_size"] = np.array([max(resolutions)] * 2, dtype=np.int64)
                 row.update({f"crop_top_left_{r}": np.zeros(2, dtype=np.int64) for r in resolutions})
             if t5:
