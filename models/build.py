@@ -120,8 +120,8 @@ def build_model(
     lora: dict | None = None,
     param_dtype: str | None = None,
 ) -> StableDiffusion | RectifiedFlowTransformer:
-    """The ComposerModel for `preset` (a name in models.presets.PRESETS): a StableDiffusion, a
-    StableDiffusionXL or (family "mmdit") a RectifiedFlowTransformer.
+    """The ComposerModel for `preset` (a name in models.presets.PRESETS): its family's model class
+    (models/family.py), a StableDiffusion, a StableDiffusionXL or a RectifiedFlowTransformer.
 
     pretrained: a diffusers-format folder (or hub id) to load `pretrained_components` from; the
         others keep the preset's random initialisation. Default components: the denoiser ("unet", or

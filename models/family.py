@@ -168,12 +168,9 @@ def _is_network(cls) -> bool:
     return issubclass(cls, torch.nn.Module)
 
 
-def load_component(name: str, pretrained: str, preset: str | None = None, **kwargs):
-    """Component `name` of `preset`'s family (SD's classes without a preset) from the diffusers
-    folder or hub id `pretrained`."""
-    cls = (of(preset) if preset is not None else FAMILIES["sd"]).components.get(name)
-    if cls is None:
-        cls = next(f.components[name] for f in FAMILIES.values() if name in f.components)
+def load_component(name: str, pretrained: str, preset: str, **kwargs):
+    """Component `name` of `preset`'s family from the diffusers folder or hub id `pretrained`."""
+    cls = of(preset).components[name]
     local = Path(pretrained).expanduser()
     if local.exists() and not (local / name).is_dir():
         raise FileNotFoundError(f"model.pretrained={pretrained} has no '{name}/' folder for the {name}")
