@@ -41,7 +41,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from recipes.config import ConfigError, load_config, parse_config
+from recipes.compose import load_config
+from recipes.config import ConfigError, parse_config
 from recipes.scaling import plan_batches
 from recipes.throughput import Throughput, rate_note, read_throughput, write_throughput
 

@@ -76,7 +76,7 @@ def prepare_pretrained(folder: str | None, recipe: str) -> None:
 
 def pretrained_folder_of(recipe: str) -> str | None:
     """The pipeline folder `recipe` writes: its `callbacks.save_pretrained.folder`."""
-    from recipes.config import load_config
+    from recipes.compose import load_config
 
     callbacks = load_config(recipe).get("callbacks") or {}
     spec = callbacks.get("save_pretrained") or {}

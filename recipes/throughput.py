@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.config import ConfigError, load_config
+from recipes.compose import load_config
+from recipes.config import ConfigError
 
 
 @dataclass(frozen=True)
