@@ -16,7 +16,6 @@ import json
 import logging
 from pathlib import Path
 
-from data.latent_dataset import latents_column
 from data.streams import WEIGHTS, _configured, read_index
 
 log = logging.getLogger(__name__)
@@ -179,7 +178,6 @@ def _check_latent_columns(where, source, columns, cfg, preset, remote, local) ->
             f"{where}: {source} lacks {', '.join(missing)}, which preset {preset} reads: the latents were "
             f"made for another model family; make them with sd-convert latents --preset {preset}"
         )
-    assert latents_column(cfg.resolution) in columns
 
 
 def _recorded_preset(remote: str | None, local: str | None) -> str | None:
