@@ -198,13 +198,7 @@ def check_model_options(preset: str, **options) -> None:
     section is checked when it is parsed, before the data are prepared (recipes/config.py)."""
     bound = inspect.signature(build_model).bind(preset, **options)
     bound.apply_defaults()
-    args = bound.arguments
-    _checked(
-        preset, args["pretrained"], args["pretrained_components"], args["prediction_type"],
-        args["offset_noise"], args["min_snr_gamma"], args["zero_terminal_snr"], args["timestep_mean"],
-        args["timestep_std"], args["timestep_shift"], args["loss_weighting"], args["attention"],
-        args["fsdp_wrap"], args["activation_checkpointing"], args["lora"], args["param_dtype"],
-    )  # fmt: skip
+    _checked(**{name: bound.arguments[name] for name in inspect.signature(_checked).parameters})
 
 
 def _checked(

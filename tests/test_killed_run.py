@@ -47,6 +47,14 @@ def _describe(procs: list[psutil.Process]) -> str:
     return "\n".join(lines)
 
 
+def _assert_gone(tag: str, killed: str) -> None:
+    """Within GRACE_S of the kill, no process carrying `tag` runs any more."""
+    deadline = time.monotonic() + GRACE_S
+    while (left := _tagged(tag)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"{GRACE_S} s after {killed} was killed, still running:\n{_describe(left)}"
+
+
 def test_a_run_killed_mid_upload_leaves_no_process_behind(s3_server, shapes_mds, tmp_path):  # noqa: F811
     """train.py with an s3:// save_folder, a checkpoint every batch, SIGKILLed (its main process
     alone, as the OOM killer does) once its first checkpoint is in the bucket, while the next ones
@@ -86,10 +94,7 @@ def test_a_run_killed_mid_upload_leaves_no_process_behind(s3_server, shapes_mds,
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
 
-        deadline = time.monotonic() + GRACE_S
-        while (left := _tagged(tag)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not left, f"{GRACE_S} s after the run was killed, still running:\n{_describe(left)}"
+        _assert_gone(tag, "the run")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -130,10 +135,7 @@ def test_ranks_end_with_a_killed_launcher(shapes_mds, tmp_path):
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
 
-        deadline = time.monotonic() + GRACE_S
-        while (left := _tagged(tag)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not left, f"{GRACE_S} s after the launcher was killed, still running:\n{_describe(left)}"
+        _assert_gone(tag, "the launcher")
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
