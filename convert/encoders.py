@@ -1,6 +1,6 @@
 """The frozen networks that `sd-convert latents` (convert/latents.py) encodes with: a preset's VAE and
 text encoders without its denoiser, making the model's own calls, so precomputed latents stay what
-training on the images would compute. One class per family (SD1/SD2, SDXL, mmdit), built by
+training on the images would compute. One class for every family (its conditioner encodes), built by
 `load_encoders` from a diffusers folder or from the preset's seeded random weights, or by
 `recipe_encoders` from the model a run config trains (`--recipe`: its seed and `model:` section, so
 a random text encoder is the one its training run draws, beside a VAE loaded from model.pretrained).
@@ -15,87 +15,45 @@ import torch
 
 import models.family as families
 from convert.common import ConvertError
-from models.mmdit import RectifiedFlowTransformer
+from models.latent_diffusion import LatentDiffusion
 from models.presets import PRESETS, bundled_t5
-from models.sdxl import StableDiffusionXL
-from models.stable_diffusion import StableDiffusion
 
 log = logging.getLogger(__name__)
 
 
 class Encoders:
-    """The frozen VAE and text encoder without a UNet, making the model's own two calls (plain
-    functions of `self.vae` / `self.text_encoder`), so precomputed latents stay what training on the
-    images would compute."""
+    """The frozen VAE and a family's text encoders and tokenizers (its conditioner's `text_parts`, and an
+    optional T5) without the denoiser. The family's conditioner (models/conditioners.py) encodes with
+    them, as the model does, and `vae_moments` is the model's own call, so precomputed latents stay what
+    training on the images would compute."""
 
-    vae_moments = StableDiffusion.vae_moments
-    encode_text = StableDiffusion.encode_text
-    micro_conditioning = False
+    vae_moments = LatentDiffusion.vae_moments
 
-    def __init__(self, vae, text_encoder, tokenizer):
-        self.vae, self.text_encoder, self.tokenizer = vae, text_encoder, tokenizer
+    def __init__(self, family, vae, *, t5_tokens=None, text_encoder_3=None, tokenizer_3=None, **text_parts):
+        names = family.conditioner.text_parts
+        if sorted(text_parts) != sorted(names):
+            raise TypeError(
+                f"the {family.name} family's encoders are {', '.join(names)}, not {sorted(text_parts)}"
+            )
+        if (text_encoder_3 is None) != (tokenizer_3 is None):
+            raise ValueError("text_encoder_3 (T5) and tokenizer_3 come together: give both or neither")
+        if text_encoder_3 is not None and not family.reads_t5:
+            raise ValueError(f"the {family.name} family reads no T5 context")
+        self.family, self.conditioner = family, family.conditioner
+        self.micro_conditioning = family.micro_conditioning
+        self.vae = vae
+        for name, part in text_parts.items():
+            setattr(self, name, part)
+        self.text_encoder_3, self.tokenizer_3 = text_encoder_3, tokenizer_3
+        self.t5_tokens = None if t5_tokens is None else int(t5_tokens)
 
     def to(self, device) -> "Encoders":
-        self.vae.to(device).eval()
-        self.text_encoder.to(device).eval()
+        for part in [self.vae, self.text_encoder_3, *(getattr(self, n) for n in self.conditioner.text_parts)]:
+            if isinstance(part, torch.nn.Module):
+                part.to(device).eval()
         return self
 
 
-class SDXLEncoders(Encoders):
-    """SDXL's: both text encoders, through StableDiffusionXL's own `encode_text` ((context, pooled))."""
-
-    encode_text = StableDiffusionXL.encode_text
-    micro_conditioning = True
-
-    def __init__(self, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2):
-        super().__init__(vae, text_encoder, tokenizer)
-        self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
-
-    def to(self, device) -> "SDXLEncoders":
-        self.text_encoder_2.to(device).eval()
-        return super().to(device)
-
-
-class MMDiTEncoders(Encoders):
-    """An mmdit preset's: both CLIPs through RectifiedFlowTransformer's own `encode_clip` ((context
-    unpadded, pooled)) and, when given, T5 through its `tokenize_t5` and `encode_t5`."""
-
-    encode_clip = RectifiedFlowTransformer.encode_clip
-    encode_t5 = RectifiedFlowTransformer.encode_t5
-    tokenize_t5 = RectifiedFlowTransformer.tokenize_t5
-
-    def __init__(
-        self,
-        vae,
-        text_encoder,
-        tokenizer,
-        text_encoder_2,
-        tokenizer_2,
-        *,
-        t5_tokens: int,
-        text_encoder_3=None,
-        tokenizer_3=None,
-    ):
-        super().__init__(vae, text_encoder, tokenizer)
-        if (text_encoder_3 is None) != (tokenizer_3 is None):
-            raise ValueError("text_encoder_3 (T5) and tokenizer_3 come together: give both or neither")
-        self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
-        self.text_encoder_3, self.tokenizer_3 = text_encoder_3, tokenizer_3
-        self.t5_tokens = int(t5_tokens)
-
-    def to(self, device) -> "MMDiTEncoders":
-        self.text_encoder_2.to(device).eval()
-        if self.text_encoder_3 is not None:
-            self.text_encoder_3.to(device).eval()
-        return super().to(device)
-
-
-# The encoders mirroring each family's model class.
-ENCODERS = {
-    StableDiffusion: Encoders,
-    StableDiffusionXL: SDXLEncoders,
-    RectifiedFlowTransformer: MMDiTEncoders,
-}
 T5_PARTS = ("text_encoder_3", "tokenizer_3")
 
 
@@ -127,7 +85,7 @@ def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) 
     family = families.of(preset)
     if t5 and family.reads_t5 and pretrained is not None:
         parts.update({name: load_component(name, pretrained, preset) for name in T5_PARTS})
-    return ENCODERS[family.model_class](**parts, **families.preset_options(preset))
+    return Encoders(family, **parts, **families.preset_options(preset))
 
 
 ENCODER_PARTS = ("vae", "text_encoder", "tokenizer")
@@ -226,18 +184,13 @@ def recipe_encoders(recipe: RecipeModel) -> Encoders:
 
 
 def encoders_of(model) -> Encoders:
-    """The VAE, text encoder(s) and tokenizer(s) of a StableDiffusion(XL) or RectifiedFlowTransformer
-    model, as the Encoders class of its family (the same modules: the same outputs)."""
-    parts = dict(vae=model.vae, text_encoder=model.text_encoder, tokenizer=model.tokenizer)
-    if isinstance(model, RectifiedFlowTransformer):
-        return MMDiTEncoders(
-            **parts, text_encoder_2=model.text_encoder_2, tokenizer_2=model.tokenizer_2,
-            t5_tokens=model.t5_tokens, text_encoder_3=model.text_encoder_3,
-            tokenizer_3=model.tokenizer_3 if model.text_encoder_3 is not None else None,
-        )  # fmt: skip
-    if isinstance(model, StableDiffusionXL):
-        return SDXLEncoders(**parts, text_encoder_2=model.text_encoder_2, tokenizer_2=model.tokenizer_2)
-    return Encoders(**parts)
+    """The VAE, text encoder(s) and tokenizer(s) of a model of any family, as Encoders (the same
+    modules: the same outputs)."""
+    family = families.of_model(model)
+    parts = {name: getattr(model, name) for name in family.conditioner.text_parts}
+    if family.reads_t5 and model.text_encoder_3 is not None:
+        parts.update(text_encoder_3=model.text_encoder_3, tokenizer_3=model.tokenizer_3)
+    return Encoders(family, model.vae, t5_tokens=getattr(model, "t5_tokens", None), **parts)
 
 
 def check_encoder_flags(preset: str, pretrained: str | None, t5: bool) -> None:

@@ -42,9 +42,7 @@ import models.family as families
 from convert.common import Part, Skipped
 from convert.encoders import (
     Encoders,
-    MMDiTEncoders,
     RecipeModel,
-    SDXLEncoders,
     check_encoder_flags,
     load_encoders,
     recipe_encoders,
@@ -55,10 +53,7 @@ from data.buckets import bucket_crop, bucket_ratio, bucket_size, cover_crop
 from data.image_caption import original_size
 from data.latent_dataset import crop_column, latents_column
 from data.transforms import Crop
-from models.mmdit import RectifiedFlowTransformer
 from models.presets import PRESETS, bundled_t5, size_multiple
-from models.sdxl import StableDiffusionXL
-from models.tokenizer import tokenize
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +80,7 @@ def preset_columns(preset: str, resolutions: list[int], t5: bool = False) -> dic
     family = families.of(preset)
     if t5 and not family.reads_t5:
         raise ValueError(f"preset {preset!r} (family {family.name}) reads no T5 context")
-    return columns(resolutions, family.micro_conditioning, pooled=bool(family.pooled_encoders), t5=t5)
+    return columns(resolutions, family.micro_conditioning, pooled=family.conditioner.pooled, t5=t5)
 
 
 def pixel_sizes(bucket: str, resolutions, preset: str) -> dict[int, tuple[int, int]]:
@@ -109,19 +104,11 @@ def _prepare(row: dict, sizes: dict[int, tuple[int, int]]) -> dict[int, Crop] | 
 
 
 def _text_columns(model, captions: list[str], device) -> dict[str, np.ndarray]:
-    """The text encoders' outputs as stored: the model's own functions, SD's or SDXL's `encode_text`,
-    or an mmdit model's `encode_clip` (and `encode_t5` when it has a T5)."""
-    ids = tokenize(model.tokenizer, captions).to(device)
-    if isinstance(model, (RectifiedFlowTransformer, MMDiTEncoders)):
-        clip, pooled = model.encode_clip(ids, tokenize(model.tokenizer_2, captions).to(device))
-        text = {"text_embeds": clip, "pooled_text_embeds": pooled}
-        if model.text_encoder_3 is not None:
-            text["text_embeds_3"] = model.encode_t5(model.tokenize_t5(captions).to(device))
-        return {name: value.half().cpu().numpy() for name, value in text.items()}
-    if not isinstance(model, (StableDiffusionXL, SDXLEncoders)):
-        return {"text_embeds": model.encode_text(ids).half().cpu().numpy()}
-    context, pooled = model.encode_text(ids, tokenize(model.tokenizer_2, captions).to(device))
-    return {"text_embeds": context.half().cpu().numpy(), "pooled_text_embeds": pooled.half().cpu().numpy()}
+    """The text encoders' outputs as stored: the family conditioner's `encode` (models/conditioners.py)
+    of the captions' token ids, the model's own call."""
+    conditioner = model.conditioner
+    ids = {name: value.to(device) for name, value in conditioner.ids(model, captions).items()}
+    return {name: value.half().cpu().numpy() for name, value in conditioner.encode(model, ids).items()}
 
 
 @torch.no_grad()
@@ -192,9 +179,8 @@ def iter_samples(
     src: str, model, resolutions: list[int], batch_size: int = 16, device="cpu", preset: str = "sd2-base"
 ) -> Iterator[dict]:
     """Every sample of the MDS set `src` with its latents, input by input (index order for a set
-    without buckets). `model`, a model or `load_encoders`' Encoders, has `vae_moments`, `encode_text`
-    and `tokenizer` (SDXL's: `tokenizer_2` too; an mmdit model's or encoders' `encode_clip` instead of
-    `encode_text`), on `device`; `preset` gives the bucket sizes' multiple."""
+    without buckets). `model`, a model or `load_encoders`' Encoders, has `vae_moments`, a `conditioner`
+    and its parts, on `device`; `preset` gives the bucket sizes' multiple."""
     parts, _ = source_parts(src)
     for part in parts:
         for result in encode_rows(part.samples(), model, resolutions, preset, batch_size, device):

@@ -54,10 +54,19 @@ class Family:
     partners: tuple[tuple[str, str], ...] = ()
     pooled_encoders: tuple[str, ...] = ()  # whose pooled, projected outputs condition the denoiser
     micro_conditioning: bool = False  # SDXL's original size and crop (convert/latents.py columns)
-    reads_t5: bool = False  # a T5 context, optional (text_encoder_3)
     patches: bool = False  # the denoiser cuts latents into patches: sides are multiples of them too
     samplers: tuple[str, ...] = tuple(SAMPLERS)  # the first is the default
     guidance_rescale: bool = True  # generate's guidance rescale (Lin et al. 2023) applies
+
+    @property
+    def conditioner(self):
+        """The text encoders' calls (models/conditioners.py): the model's, the loader's, convert's."""
+        return self.model_class.conditioner
+
+    @property
+    def reads_t5(self) -> bool:
+        """A model of the family may have a T5 context (text_encoder_3, optional)."""
+        return self.conditioner.reads_t5
 
     @property
     def components(self) -> dict[str, type]:
@@ -124,7 +133,6 @@ FAMILIES = {
             {"latent_shift": REQUIRED, "t5_tokens": REQUIRED, **dict.fromkeys(FLOW_OPTIONS, REQUIRED)},
             partners=_SDXL_PARTNERS + (("text_encoder_3", "tokenizer_3"), ("tokenizer_3", "text_encoder_3")),
             pooled_encoders=("text_encoder", "text_encoder_2"),
-            reads_t5=True,
             patches=True,
             samplers=("euler",),
             guidance_rescale=False,

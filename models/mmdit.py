@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from models.conditioners import CLIPsAndT5
 from models.flops import transformer_training_flops
 from models.latent_diffusion import LatentDiffusion, in_dtype
 
@@ -61,7 +62,7 @@ from models.objectives import (  # noqa: F401
     seeded_flow_draws,
     shift_timesteps,
 )
-from models.tokenizer import tokenize, tokenize_t5
+from models.tokenizer import tokenize_t5
 
 
 class RectifiedFlowTransformer(LatentDiffusion):
@@ -79,6 +80,7 @@ class RectifiedFlowTransformer(LatentDiffusion):
     """
 
     denoiser_name = "transformer"
+    conditioner = CLIPsAndT5()  # both CLIPs and an optional T5 (models/conditioners.py)
     frozen_names = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
     micro_conditioning = False  # no SDXL size conditioning: the data loader hands over no sizes
     prediction_type = "flow_prediction"  # diffusers' name for the velocity target, noise - x0
@@ -160,15 +162,14 @@ class RectifiedFlowTransformer(LatentDiffusion):
         return latents / self.latent_scale + self.latent_shift
 
     # -- conditioning ----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_clip(
         self, input_ids: torch.Tensor, input_ids_2: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(clip (B, 77, D1 + D2), pooled (B, P1 + P2)): both CLIPs' penultimate hidden states side by
         side, unpadded, and their projected pooled outputs side by side."""
-        first = self.text_encoder(input_ids, output_hidden_states=True)
-        second = self.text_encoder_2(input_ids_2, output_hidden_states=True)
-        clip = torch.cat([first.hidden_states[-2], second.hidden_states[-2]], dim=-1)
+        clip, first, second = self.conditioner.hidden(
+            self, {"input_ids": input_ids, "input_ids_2": input_ids_2}
+        )
         return clip, torch.cat([first.text_embeds, second.text_embeds], dim=-1)
 
     @torch.no_grad()
@@ -190,13 +191,11 @@ class RectifiedFlowTransformer(LatentDiffusion):
 
     def encode_text(self, input_ids, input_ids_2, input_ids_3=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(context, pooled) of token ids, as StableDiffusion3Pipeline.encode_prompt makes them."""
-        clip, pooled = self.encode_clip(input_ids, input_ids_2)
-        t5 = None
-        if self.text_encoder_3 is not None:
-            if input_ids_3 is None:
-                raise ValueError("this model reads T5 (text_encoder_3): the batch needs input_ids_3")
-            t5 = self.encode_t5(input_ids_3)
-        return self.joint_context(clip, t5), pooled
+        ids = {"input_ids": input_ids, "input_ids_2": input_ids_2, "input_ids_3": input_ids_3}
+        stored = self.conditioner.encode(self, ids)
+        return self.joint_context(stored["text_embeds"], stored.get("text_embeds_3")), stored[
+            "pooled_text_embeds"
+        ]
 
     def tokenize_t5(self, captions: list[str]) -> torch.Tensor:
         """T5 token ids (B, t5_tokens), as the SD3 pipeline tokenizes with max_sequence_length=t5_tokens
@@ -204,10 +203,8 @@ class RectifiedFlowTransformer(LatentDiffusion):
         return tokenize_t5(self.tokenizer_3, captions, self.t5_tokens)
 
     def encode_captions(self, captions: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = tokenize(self.tokenizer, captions).to(device)
-        ids_2 = tokenize(self.tokenizer_2, captions).to(device)
-        ids_3 = None if self.tokenizer_3 is None else self.tokenize_t5(captions).to(device)
-        return self.encode_text(ids, ids_2, ids_3)
+        ids = {name: value.to(device) for name, value in self.conditioner.ids(self, captions).items()}
+        return self.encode_text(**ids)
 
     def empty_condition(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(context (1, L, W), pooled (1, P)) of the empty caption: what a dropped caption becomes and

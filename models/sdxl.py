@@ -22,14 +22,15 @@ Batch keys beyond the base class's: `input_ids_2` (tokenizer_2's ids), or with p
 
 import torch
 
+from models.conditioners import TwoCLIPs
 from models.stable_diffusion import StableDiffusion
-from models.tokenizer import tokenize
 
 
 class StableDiffusionXL(StableDiffusion):
     """`text_encoder_2` (a CLIPTextModelWithProjection) and `tokenizer_2` join the base class's parts."""
 
     micro_conditioning = True
+    conditioner = TwoCLIPs()
 
     def __init__(
         self,
@@ -58,21 +59,17 @@ class StableDiffusionXL(StableDiffusion):
         return self
 
     # -- conditioning ----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_text(
         self, input_ids: torch.Tensor, input_ids_2: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(context (B, 77, D1 + D2), pooled (B, P)): both encoders' penultimate hidden states and the
         second encoder's projected pooled output, as StableDiffusionXLPipeline.encode_prompt makes them."""
-        first = self.text_encoder(input_ids, output_hidden_states=True)
-        second = self.text_encoder_2(input_ids_2, output_hidden_states=True)
-        context = torch.cat([first.hidden_states[-2], second.hidden_states[-2]], dim=-1)
-        return context, second.text_embeds
+        stored = self.conditioner.encode(self, {"input_ids": input_ids, "input_ids_2": input_ids_2})
+        return stored["text_embeds"], stored["pooled_text_embeds"]
 
     def encode_captions(self, captions: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = tokenize(self.tokenizer, captions).to(device)
-        ids_2 = tokenize(self.tokenizer_2, captions).to(device)
-        return self.encode_text(ids, ids_2)
+        ids = self.conditioner.ids(self, captions)
+        return self.encode_text(ids["input_ids"].to(device), ids["input_ids_2"].to(device))
 
     def unconditional(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(context, pooled) of the unconditional branch for n samples: zeros, or with

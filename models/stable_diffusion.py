@@ -7,6 +7,7 @@ UNet's call, the text condition and DDPM sampling with classifier-free guidance.
 import torch
 
 from compat.diffusers import rescale_noise_cfg
+from models.conditioners import CLIPText
 from models.flops import unet_training_flops
 from models.latent_diffusion import LatentDiffusion, in_dtype  # noqa: F401 (in_dtype: imported from here)
 from models.objectives import DDPM, SAMPLERS, forwarded, seeded_draws  # noqa: F401 (SAMPLERS: imported from here)
@@ -24,6 +25,8 @@ class StableDiffusion(LatentDiffusion):
 
     `eval_seed` seeds validation's random draws (see `eval_forward`).
     """
+
+    conditioner = CLIPText()  # the text encoder's call (models/conditioners.py)
 
     def __init__(
         self,
@@ -71,9 +74,8 @@ class StableDiffusion(LatentDiffusion):
         """A VAE latent sample -> what the UNet models: sample * scale."""
         return sample * self.latent_scale
 
-    @torch.no_grad()
     def encode_text(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.text_encoder(input_ids)[0]
+        return self.conditioner.encode(self, {"input_ids": input_ids})["text_embeds"]
 
     def empty_text_embedding(self, device) -> torch.Tensor:
         """The embedding of "" (1, 77, D): the unconditional branch's condition. The text encoder is

@@ -33,7 +33,7 @@ from extensions.master_weights import MasterWeightAdamW, needs_masters
 from extensions.persistent_grads import PersistentGradients
 from models import Autoencoder, build
 from models.build import check_pretrained
-from models.family import MODEL_CLASSES
+from models.family import MODEL_CLASSES, of_model
 from models.presets import size_multiple
 from models.record import ModelRecord, describe
 from models.torch_compile import compiles_with_cudagraphs
@@ -133,16 +133,11 @@ def _size_multiple(preset: str) -> int:
 
 
 def loader_inputs(model) -> dict:
-    """What the image data path hands `model` besides the image and CLIP ids (data/image_caption.py):
-    SDXL's and SD3's second tokenizer, SDXL's micro-conditioning sizes, and T5's ids (`t5_tokens`
-    long) for an mmdit model with a T5 (sd3-medium with text_encoder_3, mmdit-tiny-t5); SD: nothing."""
-    inputs = dict(
-        tokenizer_2=getattr(model, "tokenizer_2", None),
-        micro_conditioning=getattr(model, "micro_conditioning", False),
-    )
-    if getattr(model, "text_encoder_3", None) is not None:
-        inputs.update(tokenizer_3=model.tokenizer_3, t5_tokens=model.t5_tokens)
-    return inputs
+    """What the image data path hands `model` besides the image and CLIP ids (data/image_caption.py),
+    as its family's conditioner says (models/conditioners.py: a second tokenizer, T5's ids `t5_tokens`
+    long when the model has a T5) and SDXL's micro-conditioning sizes."""
+    family = of_model(model)
+    return dict(family.conditioner.loader_inputs(model), micro_conditioning=family.micro_conditioning)
 
 
 def _plan(run: RunConfig, world_size: int):
@@ -223,7 +218,10 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
 
 def _optimizer(spec: dict, trainable: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """`spec` (run.optimizer) over the trainable parameters; over bf16 ones (model.param_dtype), the
-    same AdamW keeping fp32 master weights in its state (extensions/master_weights.py)."""
+    same AdamW keeping fp32 master weights in its state (extensions/master_weights.py). Plain
+    containers (`_convert_`): a YAML list (AdamW's betas) would stay an omegaconf ListConfig in the
+    param groups, which torch distributed checkpoint refuses to save ("Unexpected value type")."""
+    spec = {**spec, "_convert_": "all"}
     if not needs_masters(trainable):
         return instantiate(spec, params=trainable)
     if get_object(spec["_target_"]) is not torch.optim.AdamW:  # recipes/config.py refuses it first
