@@ -58,7 +58,7 @@ VAE_GATE = 0.9  # reconstruction colour accuracy needed before the diffusion sta
 # all twelve, which takes ~1,000 batches.
 QUICK = {
     "vae": ["trainer.max_duration=150ba"],  # 100 batches: colour 71%, below the gate
-    "sd": {
+    "diffusion": {
         # 450 batches of 64: colour 100%, shape 75-83% (12 images; 1 or 2 threads); 250 batches still
         # ignored the prompt, and 450 of 32 reached only 75% / 67%.
         "tiny": [
@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     out = Path(args.out)
-    full = {"vae": [], "sd": [], "per_prompt": args.per_prompt, "prompts": None, "metrics": METRICS}
-    quick = dict(QUICK, sd=QUICK["sd"][args.preset]) if args.quick else dict(full, gates=GATES)
+    full = {"vae": [], "diffusion": [], "per_prompt": args.per_prompt, "prompts": None, "metrics": METRICS}
+    quick = dict(QUICK, diffusion=QUICK["diffusion"][args.preset]) if args.quick else dict(full, gates=GATES)
     recipe = YAMLS / RECIPES[args.preset]
     times = {}
 
@@ -181,10 +181,10 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     start = time.perf_counter()
-    latents, encoder = precompute_latents(load_config(recipe, quick["sd"]), quick["prompts"])
-    sd_cfg = load_config(recipe, DATA_WORKERS + quick["sd"] + latents)
+    latents, encoder = precompute_latents(load_config(recipe, quick["diffusion"]), quick["prompts"])
+    sd_cfg = load_config(recipe, DATA_WORKERS + quick["diffusion"] + latents)
     sd_trainer = train(sd_cfg)
-    times["sd"] = time.perf_counter() - start
+    times["diffusion"] = time.perf_counter() - start
     trained = sd_trainer.state.model.state_dict()
     text_encoders = {k: v for k, v in encoder.state_dict().items() if k.startswith("text_encoder")}
     if any(not torch.equal(v, trained[k]) for k, v in text_encoders.items()):

@@ -12,10 +12,10 @@ from diffusers import DDPMScheduler
 
 import models.family as families
 from compat.diffusers import AttnProcessor
-from models.family import FLOW_OPTIONS, OBJECTIVE_OPTIONS, load_component
+from models.family import FLOW_OPTIONS, OBJECTIVE_OPTIONS, build_components, load_component
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
 from models.mmdit import LOSS_WEIGHTINGS, RectifiedFlowTransformer
-from models.presets import PRESETS, build_components, bundled_t5, denoiser_name
+from models.presets import PRESETS, bundled_t5, denoiser_name
 from models.sharding import GRANULARITIES
 from models.sharding import configure as configure_sharding
 from models.stable_diffusion import StableDiffusion

@@ -43,7 +43,6 @@ import logging
 from pathlib import Path
 
 import torch
-from diffusers import DDIMScheduler, StableDiffusion3Pipeline, StableDiffusionXLPipeline
 
 import models.family as families
 from compat.transformers import init_empty_weights
@@ -56,13 +55,12 @@ from models.checkpoint_file import (
     raw_state,
     read_checkpoint,
 )
+from models.family import build_components
 from models.lora import merge_lora, save_lora
 from models.mmdit import RectifiedFlowTransformer
 from models.out_dir import WriteError, check_out_dir, written_into_place
-from models.presets import PRESETS, build_components
-from models.presets import family as family_name
+from models.presets import PRESETS
 from models.record import autoencoder_preset, read_record, rebuild_model
-from models.sd3_folder import save_sd3_folder
 from models.stable_diffusion import StableDiffusion
 
 log = logging.getLogger(__name__)
@@ -110,7 +108,7 @@ def infer_preset(weights: dict[str, torch.Tensor]) -> str:
     """The preset whose architecture has exactly these tensor names and shapes. Only the presets of
     the weights' family are built (on the meta device): the others' names cannot match anyway."""
     differences = {}
-    for preset in (p for p in PRESETS if family_name(p) == weights_family(weights)):
+    for preset in families.presets_of(families.of_components({key.split(".")[0] for key in weights})):
         differences[preset] = _difference(_preset_shapes(preset), weights)
         if differences[preset] is None:
             return preset
@@ -262,32 +260,12 @@ def _write_pipeline(model, folder: Path, out_dir: Path) -> None:
     """The pipeline's files into `folder` (a temporary name for `out_dir`, which the log names)."""
     # The pipeline decodes with vae.config.scaling_factor; the model with its own latent_scale.
     model.vae.register_to_config(scaling_factor=float(model.latent_scale))
-    pipeline_class = families.of_model(model).pipeline
-    if pipeline_class is StableDiffusion3Pipeline:
-        save_sd3_folder(model, folder, shown_as=out_dir)
+    family = families.of_model(model)
+    if family.save_folder is not None:
+        family.save_folder(model, folder, shown_as=out_dir)
         return
-    parts = dict(
-        vae=model.vae,
-        text_encoder=model.text_encoder,
-        tokenizer=model.tokenizer,
-        unet=model.unet,
-        # The training schedule (and prediction_type) with the deterministic DDIM sampler, which is
-        # also StableDiffusion.generate's default.
-        scheduler=DDIMScheduler.from_config(model.noise_scheduler.config),
-    )
-    if pipeline_class is StableDiffusionXLPipeline:
-        pipeline = pipeline_class(
-            **parts,
-            text_encoder_2=model.text_encoder_2,
-            tokenizer_2=model.tokenizer_2,
-            # The unconditional condition caption dropout trained: zeros, or the empty caption's.
-            force_zeros_for_empty_prompt=model.force_zeros_for_empty_prompt,
-            add_watermarker=False,  # not saved in the folder; a loader decides for itself
-        )
-    else:
-        pipeline = pipeline_class(
-            **parts, safety_checker=None, feature_extractor=None, requires_safety_checker=False
-        )
+    pipeline_class = family.pipeline
+    pipeline = pipeline_class(**model.pipeline_parts())
     pipeline.save_pretrained(folder, safe_serialization=True)
     log.info("wrote a %s to %s", pipeline_class.__name__, out_dir)
 

@@ -1,29 +1,47 @@
 """The model families: one `Family` per kind of model, in `FAMILIES`, keyed by the name a preset's
 `family` gives (models.presets.family). Everything that differs between families is read from here:
-the model class, the components and their classes (models.presets.COMPONENT_CLASSES, where a preset's
-random weights are built), which components load together, the objective, the export pipeline, the
+the model class, the components and their classes (from which `build_components` builds a preset's
+random weights), which components load together, the objective, the export pipeline, the
 model record's version and options, and what `sd-convert latents` stores. Code elsewhere asks the
 family (`of(preset)`, `of_model(model)`, `of_record(record)`), never compares a family's name.
 
 The one component loader: `load_component` (a diffusers folder or hub id) and `load_folder` (an
-exported pipeline folder) here, `models.presets.build_components` (a preset's random weights) and
+exported pipeline folder) and `build_components` (a preset's random weights) here, and
 `models.record.rebuild` (a checkpoint's record), all over the same table.
 """
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
-from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import (
+    AutoencoderKL,
+    DDPMScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
 from diffusers.models.modeling_utils import ModelMixin
+from transformers import (
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
 
+from models.flops import transformer_step_flops, unet_step_flops
 from models.mmdit import RectifiedFlowTransformer
-from models.presets import COMPONENT_CLASSES, OPTIONAL, PRESETS
+from models.presets import OPTIONAL, PRESETS, bundled_t5, construct
 from models.presets import family as family_name
-from models.sd3_folder import README
+from models.sd3_folder import README, save_sd3_folder
 from models.sdxl import StableDiffusionXL
 from models.stable_diffusion import SAMPLERS, StableDiffusion
 
@@ -45,7 +63,13 @@ class Family:
 
     name: str
     model_class: type
+    # Component name (diffusers' folder name) -> class: the denoiser first, then the order a preset's
+    # random weights are drawn in (a seed's bits depend on it).
+    components: dict
     pipeline: type  # the diffusers pipeline models.export writes
+    # One forward + backward of a meta-device denoiser per image (denoiser, height, width, context
+    # length in tokens): models.flops.training_flops_per_image.
+    step_flops: Callable[..., float]
     record_version: int  # code that reads fewer families refuses a record it cannot rebuild
     objective: str  # "ddpm" or "flow": which build_model options the family takes (OBJECTIVE_OPTIONS)
     options: dict = field(default_factory=dict)
@@ -57,6 +81,9 @@ class Family:
     patches: bool = False  # the denoiser cuts latents into patches: sides are multiples of them too
     samplers: tuple[str, ...] = tuple(SAMPLERS)  # the first is the default
     guidance_rescale: bool = True  # generate's guidance rescale (Lin et al. 2023) applies
+    # Writes an export folder (model, folder, shown_as=the folder's final name) when the pipeline is not
+    # built from `model.pipeline_parts()` (models/export.py).
+    save_folder: Callable | None = None
 
     @property
     def conditioner(self):
@@ -67,11 +94,6 @@ class Family:
     def reads_t5(self) -> bool:
         """A model of the family may have a T5 context (text_encoder_3, optional)."""
         return self.conditioner.reads_t5
-
-    @property
-    def components(self) -> dict[str, type]:
-        """Component name (diffusers' folder name) -> class, the denoiser first."""
-        return COMPONENT_CLASSES[self.name]
 
     @property
     def denoiser(self) -> str:
@@ -107,16 +129,47 @@ class Family:
 
 
 OBJECTIVE_OPTIONS = {"ddpm": DDPM_OPTIONS, "flow": FLOW_OPTIONS}
+_SD = dict(
+    unet=UNet2DConditionModel,
+    vae=AutoencoderKL,
+    text_encoder=CLIPTextModel,
+    tokenizer=CLIPTokenizer,
+    scheduler=DDPMScheduler,
+)
+_SECOND_CLIP = dict(text_encoder_2=CLIPTextModelWithProjection, tokenizer_2=CLIPTokenizer)
+# SD3's CLIP ViT-L keeps its projection (its pooled output conditions the transformer), its scheduler
+# is a flow-matching one, and its T5 is optional (models.presets.OPTIONAL).
+_SD3 = dict(
+    transformer=SD3Transformer2DModel,
+    vae=AutoencoderKL,
+    text_encoder=CLIPTextModelWithProjection,
+    tokenizer=CLIPTokenizer,
+    scheduler=FlowMatchEulerDiscreteScheduler,
+    **_SECOND_CLIP,
+    text_encoder_3=T5EncoderModel,
+    tokenizer_3=T5TokenizerFast,
+)
 _SDXL_PARTNERS = (("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2"))
 
 FAMILIES = {
     family.name: family
     for family in (
-        Family("sd", StableDiffusion, StableDiffusionPipeline, 1, "ddpm", {"prediction_type": REQUIRED}),
+        Family(
+            "sd",
+            StableDiffusion,
+            _SD,
+            StableDiffusionPipeline,
+            unet_step_flops,
+            1,
+            "ddpm",
+            {"prediction_type": REQUIRED},
+        ),
         Family(
             "sdxl",
             StableDiffusionXL,
+            {**_SD, **_SECOND_CLIP},
             StableDiffusionXLPipeline,
+            unet_step_flops,
             2,  # a second text encoder and tokenizer: SD-only code would rebuild it without them
             "ddpm",
             {"prediction_type": REQUIRED, "force_zeros_for_empty_prompt": True},
@@ -127,7 +180,9 @@ FAMILIES = {
         Family(
             "mmdit",
             RectifiedFlowTransformer,
+            _SD3,
             StableDiffusion3Pipeline,
+            transformer_step_flops,
             3,  # a transformer, no UNet
             "flow",
             {"latent_shift": REQUIRED, "t5_tokens": REQUIRED, **dict.fromkeys(FLOW_OPTIONS, REQUIRED)},
@@ -136,6 +191,7 @@ FAMILIES = {
             patches=True,
             samplers=("euler",),
             guidance_rescale=False,
+            save_folder=save_sd3_folder,
         ),
     )
 }
@@ -160,6 +216,11 @@ def of_record(record: dict) -> str:
     return record.get("family", "sd")
 
 
+def presets_of(family: Family) -> list[str]:
+    """The presets of `family`, in models/presets.py's order."""
+    return [preset for preset in PRESETS if of(preset) is family]
+
+
 def of_components(names) -> Family:
     """The family whose networks are all among `names` (a folder's subfolders, a state dict's
     prefixes), the one with the most of them: with a second text encoder SDXL rather than SD."""
@@ -174,6 +235,25 @@ def _networks(family: Family) -> set[str]:
 
 def _is_network(cls) -> bool:
     return issubclass(cls, torch.nn.Module)
+
+
+def build_components(preset: str, skip: tuple[str, ...] | list[str] = ()) -> dict:
+    """The denoiser, VAE, text encoder(s) and noise scheduler of a preset (its family's `components`),
+    with random weights, and its latent scale (and shift); the components named in `skip` (e.g. those
+    about to be loaded from a pretrained folder) are left out. An OPTIONAL component (SD3's T5) is
+    built only when the preset has `bundled_t5`; else it only loads from a folder."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    spec = PRESETS[preset]
+    parts = {}
+    for name, cls in of(preset).components.items():
+        key = "noise_scheduler" if name == "scheduler" else name
+        if name.startswith("tokenizer") or key in skip or name not in spec:
+            continue  # tokenizers: models.build.bundled_tokenizers
+        if name in OPTIONAL and not bundled_t5(preset):
+            continue
+        parts[key] = construct(cls, spec[name])
+    return {**parts, **{key: spec[key] for key in ("latent_scale", "latent_shift") if key in spec}}
 
 
 def load_component(name: str, pretrained: str, preset: str, **kwargs):

@@ -22,7 +22,7 @@ import torch
 from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.presets import PRESETS, build_components, denoiser_factor, denoiser_name, vae_factor
+from models.presets import PRESETS, denoiser_factor, denoiser_name, vae_factor
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def latent_size(preset: str, resolution: int) -> int:
     # Each UNet down block but the last halves the latents, and the up path must find the same sizes;
     # a transformer cuts the latents into patches.
     inner = denoiser_factor(preset)
-    what = {"unet": "UNet factor", "transformer": "patch size"}[denoiser_name(preset)]
+    what = "patch size" if PRESETS[preset][denoiser_name(preset)].get("patch_size") else "UNet factor"
     if resolution <= 0 or resolution % (factor * inner):
         raise ValueError(
             f"resolution {resolution} for preset {preset!r} must be a positive multiple of "
@@ -67,11 +67,13 @@ def _count(fn) -> int:
 
 
 def _meta_components(preset: str) -> dict:
+    from models.family import build_components  # the family table imports the models, which import this
+
     with torch.device("meta"):
         return build_components(preset)
 
 
-def _unet_step_flops(unet, height: int, width: int, context_length: int) -> float:
+def unet_step_flops(unet, height: int, width: int, context_length: int) -> float:
     """FLOPs of one forward + backward of a meta-device `unet`, per image of height x width latents."""
     with torch.device("meta"):
         latents = torch.randn(_BATCH, unet.config.in_channels, height, width)
@@ -96,7 +98,7 @@ def _unet_step_flops(unet, height: int, width: int, context_length: int) -> floa
     return _count(step) / _BATCH
 
 
-def _transformer_step_flops(transformer, height: int, width: int, context_length: int) -> float:
+def transformer_step_flops(transformer, height: int, width: int, context_length: int) -> float:
     """FLOPs of one forward + backward of a meta-device SD3 `transformer`, per image of height x width
     latents and a joint-attention context of `context_length` tokens."""
     config = transformer.config
@@ -122,9 +124,10 @@ def _transformer_step_flops(transformer, height: int, width: int, context_length
 def training_flops_per_image(preset: str, resolution: int) -> float:
     """FLOPs of the denoiser's forward + backward for one image of `resolution` x `resolution` pixels."""
     side = latent_size(preset, resolution)
+    from models.family import of  # the family table imports the models, which import this module
+
     denoiser = _meta_components(preset)[denoiser_name(preset)]
-    step = {"unet": _unet_step_flops, "transformer": _transformer_step_flops}[denoiser_name(preset)]
-    flops = step(denoiser, side, side, context_length(preset))
+    flops = of(preset).step_flops(denoiser, side, side, context_length(preset))
     log.info("%s at %d px (%dx%d latents): %.4g FLOP per image", preset, resolution, side, side, flops)
     return flops
 
@@ -146,7 +149,7 @@ def unet_training_flops(unet_config, height: int, width: int, context_length: in
 def _cached_unet_training_flops(config_json: str, height: int, width: int, context_length: int) -> float:
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(json.loads(config_json))
-    flops = _unet_step_flops(unet, height, width, context_length)
+    flops = unet_step_flops(unet, height, width, context_length)
     log.info(
         "UNet at %dx%d latents, %d context tokens: %.4g training FLOP per image",
         height,
@@ -175,7 +178,7 @@ def _cached_transformer_training_flops(
 ) -> float:
     with torch.device("meta"):
         transformer = SD3Transformer2DModel.from_config(json.loads(config_json))
-    flops = _transformer_step_flops(transformer, height, width, context_length)
+    flops = transformer_step_flops(transformer, height, width, context_length)
     log.info(
         "transformer at %dx%d latents, %d context tokens: %.4g training FLOP per image",
         height,
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     for resolution in args.resolution:
         train = training_flops_per_image(args.preset, resolution)
         frozen = frozen_flops_per_image(args.preset, resolution)
-        name = {"unet": "UNet", "transformer": "transformer"}[denoiser_name(args.preset)]
+        name = "UNet" if denoiser_name(args.preset) == "unet" else denoiser_name(args.preset)
         line = (
             f"{args.preset} {resolution} px: {name} fwd+bwd {train / 1e12:.4g} TFLOP/image, "
             f"frozen VAE encoder + text encoders fwd {frozen / 1e12:.4g} TFLOP/image"

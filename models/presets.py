@@ -29,21 +29,7 @@ CLIPs, with the T5 tokenizer built offline (models/tokenizer.py build_t5_tokeniz
 """
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-    DDPMScheduler,
-    FlowMatchEulerDiscreteScheduler,
-    SD3Transformer2DModel,
-    UNet2DConditionModel,
-)
-from transformers import (
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    CLIPTokenizer,
-    PreTrainedModel,
-    T5EncoderModel,
-    T5TokenizerFast,
-)
+from transformers import PreTrainedModel
 
 from models.tokenizer import T5_VOCAB_SIZE
 
@@ -352,33 +338,6 @@ def bundled_t5(preset: str) -> bool:
     return bool(PRESETS[preset].get("bundled_t5", False))
 
 
-# Each family's components, by diffusers' folder name, with their classes: the denoiser first, then the
-# order a preset's random weights are drawn in (a seed's bits depend on it). The model class, export
-# pipeline and record of each family: models/family.py.
-_SD = dict(
-    unet=UNet2DConditionModel,
-    vae=AutoencoderKL,
-    text_encoder=CLIPTextModel,
-    tokenizer=CLIPTokenizer,
-    scheduler=DDPMScheduler,
-)
-_SECOND_CLIP = dict(text_encoder_2=CLIPTextModelWithProjection, tokenizer_2=CLIPTokenizer)
-COMPONENT_CLASSES = {
-    "sd": _SD,
-    "sdxl": {**_SD, **_SECOND_CLIP},
-    # SD3's CLIP ViT-L keeps its projection (its pooled output conditions the transformer), its
-    # scheduler is a flow-matching one, and its T5 is optional (OPTIONAL).
-    "mmdit": dict(
-        transformer=SD3Transformer2DModel,
-        vae=AutoencoderKL,
-        text_encoder=CLIPTextModelWithProjection,
-        tokenizer=CLIPTokenizer,
-        scheduler=FlowMatchEulerDiscreteScheduler,
-        **_SECOND_CLIP,
-        text_encoder_3=T5EncoderModel,
-        tokenizer_3=T5TokenizerFast,
-    ),
-}
 # Components a family's model may go without: SD3's T5, built only by a `bundled_t5` preset.
 OPTIONAL = ("text_encoder_3", "tokenizer_3")
 
@@ -401,7 +360,9 @@ def family(preset: str) -> str:
 
 def denoiser_name(preset: str) -> str:
     """The trained network's component name: "unet", or "transformer" (diffusers' names)."""
-    return next(iter(COMPONENT_CLASSES[family(preset)]))
+    from models.family import of  # the family table (models/family.py) imports this module
+
+    return of(preset).denoiser
 
 
 def vae_factor(preset: str) -> int:
@@ -420,22 +381,3 @@ def size_multiple(preset: str) -> int:
     """What image sides must be multiples of for `preset` (the VAE's factor x the denoiser's):
     8 x 8 = 64 for SD2, 8 x 4 = 32 for SDXL, 8 x 2 = 16 for SD3."""
     return vae_factor(preset) * denoiser_factor(preset)
-
-
-def build_components(preset: str, skip: tuple[str, ...] | list[str] = ()) -> dict:
-    """The denoiser, VAE, text encoder(s) and noise scheduler of a preset (COMPONENT_CLASSES), with
-    random weights, and its latent scale (and shift); the components named in `skip` (e.g. those about
-    to be loaded from a pretrained folder) are left out. An OPTIONAL component (SD3's T5) is built only
-    when the preset has `bundled_t5`; else it only loads from a folder."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
-    spec = PRESETS[preset]
-    parts = {}
-    for name, cls in COMPONENT_CLASSES[family(preset)].items():
-        key = "noise_scheduler" if name == "scheduler" else name
-        if name.startswith("tokenizer") or key in skip or name not in spec:
-            continue  # tokenizers: models.build.bundled_tokenizers
-        if name in OPTIONAL and not bundled_t5(preset):
-            continue
-        parts[key] = construct(cls, spec[name])
-    return {**parts, **{key: spec[key] for key in ("latent_scale", "latent_shift") if key in spec}}

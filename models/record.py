@@ -39,6 +39,7 @@ VERSIONS = {name: family.record_version for name, family in FAMILIES.items()}
 # An autoencoder run's record (a `<preset>-vae` preset, models/autoencoder.py): family "vae", its
 # preset and VAE config. Not in VERSIONS: nothing samples with it, so `rebuild` refuses it.
 AUTOENCODER_VERSION = 1
+AUTOENCODER = "vae"  # an autoencoder record's `family`: none of models.family's
 
 
 def _plain(config) -> dict:
@@ -58,13 +59,13 @@ def _value(value):
 
 def describe(model) -> dict:
     """The record of a StableDiffusion, StableDiffusionXL or RectifiedFlowTransformer model (see the
-    module docstring), or of an Autoencoder (family "vae": its preset and VAE config)."""
+    module docstring), or of an Autoencoder (family AUTOENCODER: its preset and VAE config)."""
     from models.autoencoder import Autoencoder
 
     if isinstance(model, Autoencoder):
         return {
             "version": AUTOENCODER_VERSION,
-            "family": "vae",
+            "family": AUTOENCODER,
             "preset": getattr(model, "preset", None),
             "vae": _plain(model.vae.config),
         }
@@ -179,7 +180,7 @@ def autoencoder_preset(state: dict) -> str | None:
     recorded theirs, by its tensors (the VAE's and the latent variance); else None."""
     record = read_record(state)
     if record is not None:
-        return (record.get("preset") or "a -vae preset") if of_record(record) == "vae" else None
+        return (record.get("preset") or "a -vae preset") if record.get("family") == AUTOENCODER else None
     names = [name.removeprefix("module.") for name in state.get("model") or {}]
     if names and all(name.startswith("vae.") or name == "latent_var" for name in names):
         return "a -vae preset"

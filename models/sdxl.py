@@ -122,6 +122,20 @@ class StableDiffusionXL(StableDiffusion):
         added = {"text_embeds": pooled, "time_ids": self.time_ids(batch, n, image_size, device)}
         return {"encoder_hidden_states": context, "added_cond_kwargs": added}
 
+    def pipeline_parts(self) -> dict:
+        """StableDiffusionXLPipeline's keywords: no safety checker, both text encoders."""
+        parts = super().pipeline_parts()
+        for key in ("safety_checker", "feature_extractor", "requires_safety_checker"):
+            del parts[key]
+        return dict(
+            parts,
+            text_encoder_2=self.text_encoder_2,
+            tokenizer_2=self.tokenizer_2,
+            # The unconditional condition caption dropout trained: zeros, or the empty caption's.
+            force_zeros_for_empty_prompt=self.force_zeros_for_empty_prompt,
+            add_watermarker=False,  # not saved in the folder; a loader decides for itself
+        )
+
     # -- sampling --------------------------------------------------------------------------------
     def prompt_condition(self, prompts: list[str], negative_prompt: str | None, image_size, device) -> dict:
         """Zeros for the unconditional half unless a negative prompt is given (what training's caption

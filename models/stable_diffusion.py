@@ -5,6 +5,7 @@ UNet's call, the text condition and DDPM sampling with classifier-free guidance.
 """
 
 import torch
+from diffusers import DDIMScheduler
 
 from compat.diffusers import rescale_noise_cfg
 from models.conditioners import CLIPText
@@ -112,6 +113,21 @@ class StableDiffusion(LatentDiffusion):
         """One sample's UNet forward + backward FLOPs (models/flops.py: matmuls, convolutions,
         attention), counted once per latent size and context length on the meta device, then cached."""
         return unet_training_flops(self.unet.config, height, width, context_length)
+
+    def pipeline_parts(self) -> dict:
+        """The keywords of the family's diffusers pipeline (models/export.py writes it)."""
+        return dict(
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            unet=self.unet,
+            # The training schedule (and prediction_type) with the deterministic DDIM sampler, which is
+            # also `generate`'s default.
+            scheduler=DDIMScheduler.from_config(self.noise_scheduler.config),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
 
     # -- sampling --------------------------------------------------------------------------------
     def prompt_condition(self, prompts: list[str], negative_prompt: str | None, image_size, device) -> dict:

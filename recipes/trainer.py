@@ -136,6 +136,8 @@ def loader_inputs(model) -> dict:
     """What the image data path hands `model` besides the image and CLIP ids (data/image_caption.py),
     as its family's conditioner says (models/conditioners.py: a second tokenizer, T5's ids `t5_tokens`
     long when the model has a T5) and SDXL's micro-conditioning sizes."""
+    if not hasattr(model, "conditioner"):  # an autoencoder run (models/autoencoder.py): images alone
+        return {}
     family = of_model(model)
     return dict(family.conditioner.loader_inputs(model), micro_conditioning=family.micro_conditioning)
 

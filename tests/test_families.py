@@ -317,7 +317,7 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("published", list(PUBLISHED))
 def test_full_size_presets_have_the_published_parameter_counts(published):
-    from models.presets import build_components
+    from models.family import build_components
 
     with torch.device("meta"):  # billions of parameters: shapes only
         parts = build_components(published)

@@ -13,9 +13,10 @@ from diffusers.training_utils import compute_loss_weighting_for_sd3
 
 from compat.diffusers import DiagonalGaussianDistribution
 from models import RectifiedFlowTransformer, build_model, sharding
+from models.family import build_components
 from models.flops import training_flops_per_image
 from models.mmdit import resolution_shift, shift_timesteps
-from models.presets import PRESETS, build_components, size_multiple
+from models.presets import PRESETS, size_multiple
 from models.tokenizer import tokenize
 from recipes import build_trainer, load_config
 from tests.conftest import REPO, tiny_run

@@ -18,7 +18,8 @@ from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader
 from models import RectifiedFlowTransformer, build_model, export
 from models.build import bundled_tokenizers
 from models.export import load_model_from_checkpoint
-from models.presets import PRESETS, build_components, size_multiple
+from models.family import build_components
+from models.presets import PRESETS, size_multiple
 from models.record import read_record
 from models.tokenizer import T5_VOCAB_SIZE, build_t5_tokenizer, tokenize_t5
 from recipes import build_trainer, load_config

@@ -4,7 +4,8 @@ from diffusers import DDPMScheduler
 
 import models
 from models import build_model
-from models.presets import PRESETS, build_components
+from models.family import build_components
+from models.presets import PRESETS
 from models.tokenizer import tokenize
 from tests.conftest import REPO
 

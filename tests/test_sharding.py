@@ -7,7 +7,7 @@ import torch
 
 from compat.torch import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
 from models import build_model, sharding
-from models.presets import build_components
+from models.family import build_components
 
 
 @pytest.mark.parametrize(("preset", "blocks", "layers"), [("tiny", 5, 12), ("sd2-base", 9, 38)])
