@@ -17,7 +17,7 @@ from models.family import build_components
 from models.flops import training_flops_per_image
 from models.mmdit import resolution_shift, shift_timesteps
 from models.presets import PRESETS, size_multiple
-from models.tokenizer import tokenize
+from models.tokenizer import build_t5_tokenizer, tokenize
 from recipes import build_trainer, load_config
 from tests.conftest import REPO, tiny_run
 
@@ -226,30 +226,13 @@ def test_generate_samples_what_the_sd3_pipeline_samples(model):
         model.generate(PROMPTS, sampler="ddim")
 
 
-def _tiny_t5_tokenizer():
-    """A T5TokenizerFast with a toy unigram vocabulary: no sentencepiece model to download."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import T5TokenizerFast
-
-    words = "a red green blue yellow circle square triangle small on the left".split()
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
-    vocab += [("▁" + w, -1.0) for w in words] + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
-    backend = Tokenizer(models.Unigram(vocab, unk_id=2))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Metaspace()
-    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    return T5TokenizerFast(
-        tokenizer_object=backend, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0
-    )
-
-
 def test_pretrained_sd3_folder_loads_every_part_and_t5_only_when_named(model, tmp_path):
     """A StableDiffusion3Pipeline folder (diffusers' own save_pretrained, with a toy T5): the default
     components load the transformer, VAE (scale and shift from its config), both CLIPs and tokenizers;
     naming text_encoder_3 adds T5, whose embeddings then fill the T5 part as the pipeline's do."""
     from transformers import T5Config, T5EncoderModel
 
-    tokenizer_3 = _tiny_t5_tokenizer()
+    tokenizer_3 = build_t5_tokenizer()
     torch.manual_seed(4)
     config = dict(PRESETS["mmdit-tiny"]["text_encoder_3"], vocab_size=len(tokenizer_3))
     pipe = _pipeline(model)
