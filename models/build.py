@@ -12,6 +12,7 @@ from diffusers import DDPMScheduler
 
 import models.family as families
 from compat.diffusers import AttnProcessor
+from models.eval_timesteps import check_eval_timesteps
 from models.family import FLOW_OPTIONS, OBJECTIVE_OPTIONS, build_components, load_component
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
 from models.mmdit import LOSS_WEIGHTINGS, RectifiedFlowTransformer
@@ -119,6 +120,7 @@ def build_model(
     activation_checkpointing: str | None = None,
     lora: dict | None = None,
     param_dtype: str | None = None,
+    eval_timesteps: int | None = None,
 ) -> StableDiffusion | RectifiedFlowTransformer:
     """The ComposerModel for `preset` (a name in models.presets.PRESETS): its family's model class
     (models/family.py), a StableDiffusion, a StableDiffusionXL or a RectifiedFlowTransformer.
@@ -160,11 +162,14 @@ def build_model(
         switches), so the forward and backward read them as they are; the run's AdamW keeps fp32
         master weights and moments (extensions/master_weights.py). The frozen VAE and text encoders
         stay as they are.
+    eval_timesteps: validate each sample at one of K evenly spaced timesteps (its eval seed picks
+        which) and add the metric FixedTimestepLoss, MLPerf's Flux rule with K = 8
+        (models/eval_timesteps.py); None: at a seeded random timestep.
     """
     objective, pretrained_components, lora = _checked(
         preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
         zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, attention,
-        fsdp_wrap, activation_checkpointing, lora, param_dtype,
+        fsdp_wrap, activation_checkpointing, lora, param_dtype, eval_timesteps,
     )  # fmt: skip
     parts = _parts(preset, pretrained, pretrained_components)
     options = _objective(preset, parts, pretrained_components if pretrained else (), objective)
@@ -190,6 +195,8 @@ def build_model(
         {"source": pretrained, "components": list(pretrained_components)} if pretrained else None
     )
     model.lora = lora
+    if eval_timesteps is not None:
+        model.set_eval_timesteps(eval_timesteps)
     return model
 
 
@@ -204,11 +211,13 @@ def check_model_options(preset: str, **options) -> None:
 def _checked(
     preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
     zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, attention,
-    fsdp_wrap, activation_checkpointing, lora, param_dtype,
+    fsdp_wrap, activation_checkpointing, lora, param_dtype, eval_timesteps,
 ):  # fmt: skip
     """build_model's options checked: (objective keywords, components to load, LoRA options)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if eval_timesteps is not None:
+        check_eval_timesteps(eval_timesteps)
     objective = dict(
         prediction_type=prediction_type,
         offset_noise=offset_noise,

@@ -16,7 +16,8 @@ from the moments and scale it once, here, so the loss is the same for the same d
 
 Training draws its latent samples, noise, timesteps and caption dropout from the global RNG (which
 Composer seeds and checkpoints). Validation draws them from generators seeded per sample, so a
-checkpoint's validation loss is the same number each time it is measured.
+checkpoint's validation loss is the same number each time it is measured; with `eval_timesteps` each
+sample's timestep is one of K fixed ones instead (MLPerf's rule: models/eval_timesteps.py).
 """
 
 import hashlib
@@ -26,6 +27,7 @@ from composer.models import ComposerModel
 from torchmetrics import MeanSquaredError
 
 from compat.diffusers import DiagonalGaussianDistribution
+from models.eval_timesteps import FixedTimestepLoss, check_eval_timesteps, level_indices
 from models.pixels import to_float
 
 
@@ -34,6 +36,7 @@ class LatentDiffusion(ComposerModel):
     implement `scale_latents`, `condition`, `denoise` and `denoiser_flops`."""
 
     eval_seed: int = 0
+    eval_timesteps: int | None = None  # K fixed validation timesteps (set_eval_timesteps), or random ones
     denoiser_name = "unet"  # the trained network's attribute: "unet" or "transformer"
     frozen_names: tuple[str, ...] = ("vae", "text_encoder")  # frozen parts, kept in eval mode
     extra_context_tokens = 0  # context tokens the batch does not show (mmdit: T5's)
@@ -117,7 +120,10 @@ class LatentDiffusion(ComposerModel):
             draws = self.objective.draws(latents)
         else:
             posterior = DiagonalGaussianDistribution(moments.float())
-            draws = self.objective.seeded_draws(seeds, posterior.mean.shape[1:], moments.device)
+            levels = None
+            if self.eval_timesteps is not None:
+                levels = self.eval_levels[level_indices(seeds, self.eval_timesteps)]
+            draws = self.objective.seeded_draws(seeds, posterior.mean.shape[1:], moments.device, levels)
             latents = self.scale_latents(posterior.mean + posterior.std * draws["latent"])
             condition = self.condition(batch, False, image_size)
         noisy, timesteps, target, level = self.objective.diffuse(latents, draws, image_size)
@@ -160,11 +166,25 @@ class LatentDiffusion(ComposerModel):
             seeds.append(int.from_bytes(digest.digest(), "little") >> 1)
         return seeds
 
+    def set_eval_timesteps(self, k: int | None) -> None:
+        """Validate each sample at one of `k` evenly spaced timesteps, picked by its eval seed, and add
+        the metric `FixedTimestepLoss` (the mean over them of each one's mean loss), as MLPerf's
+        Flux benchmark (models/eval_timesteps.py); None: at a seeded random timestep, as by default."""
+        self.eval_timesteps = None if k is None else check_eval_timesteps(k)
+        self.eval_levels = None if k is None else self.objective.fixed_levels(k)
+
     def get_metrics(self, is_train: bool = False):
-        return {} if is_train else {"MeanSquaredError": self.val_mse}
+        if is_train:
+            return {}
+        if self.eval_timesteps is None:
+            return {"MeanSquaredError": self.val_mse}
+        return {"MeanSquaredError": self.val_mse, "FixedTimestepLoss": FixedTimestepLoss(self.eval_levels)}
 
     def update_metric(self, batch, outputs, metric):
-        metric.update(outputs[0].float().flatten(), outputs[1].float().flatten())
+        if isinstance(metric, FixedTimestepLoss):
+            metric.update(*outputs)
+        else:
+            metric.update(outputs[0].float().flatten(), outputs[1].float().flatten())
 
     # -- throughput ------------------------------------------------------------------------------
     def flops_per_batch(self, batch) -> float:

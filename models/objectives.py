@@ -4,7 +4,8 @@ samplers apart from its model): `DDPM` (StableDiffusion, SDXL) and `RectifiedFlo
 An objective turns clean latents x0 and its random draws into what the denoiser is trained on:
     draws = objective.draws(x0)                          # training: from the global RNG
     draws = objective.seeded_draws(seeds, shape, device) # validation: one generator per sample,
-                                                         # with the posterior's `latent` normal too
+                                                         # with the posterior's `latent` normal too;
+                                                         # `levels`: fixed timesteps (eval_timesteps)
     noisy, timesteps, target, level = objective.diffuse(x0, draws, image_size)
     prediction = denoiser(noisy, timesteps, ...)
     loss = objective.loss(prediction, target, level)     # per-sample MSE x the objective's weight
@@ -144,8 +145,21 @@ class DDPM:
         draws["timesteps"] = torch.randint(0, steps, (latents.shape[0],), device=latents.device)
         return draws
 
-    def seeded_draws(self, seeds: list[int], latent_shape, device) -> dict[str, torch.Tensor]:
-        return seeded_draws(seeds, latent_shape, self.scheduler.config.num_train_timesteps, device)
+    def seeded_draws(self, seeds: list[int], latent_shape, device, levels=None) -> dict[str, torch.Tensor]:
+        """Validation's draws; with `levels` (one of `fixed_levels` per sample) those timesteps in place
+        of the drawn ones, which are still drawn, so the noise is the same either way."""
+        draws = seeded_draws(seeds, latent_shape, self.scheduler.config.num_train_timesteps, device)
+        if levels is not None:
+            draws["timesteps"] = levels.to(device)
+        return draws
+
+    def fixed_levels(self, k: int) -> torch.Tensor:
+        """K evenly spaced timesteps floor(i T / K), i = 0 .. K - 1, T the training timesteps
+        (models/eval_timesteps.py: MLPerf's t = i / K on this schedule)."""
+        steps = self.scheduler.config.num_train_timesteps
+        if k > steps:
+            raise ValueError(f"model.eval_timesteps={k} is more than the schedule's {steps} timesteps")
+        return torch.arange(k) * steps // k
 
     def diffuse(self, latents: torch.Tensor, draws: dict, image_size=None) -> Noised:
         noise, timesteps = draws["noise"], draws["timesteps"]
@@ -280,12 +294,22 @@ class RectifiedFlow:
             "normal": torch.randn(latents.shape[0], device=latents.device),
         }
 
-    def seeded_draws(self, seeds: list[int], latent_shape, device) -> dict[str, torch.Tensor]:
-        return seeded_flow_draws(seeds, latent_shape, device)
+    def seeded_draws(self, seeds: list[int], latent_shape, device, levels=None) -> dict[str, torch.Tensor]:
+        """Validation's draws; with `levels` (one of `fixed_levels` per sample) those noise levels `t`,
+        used as they are (neither logit-normal nor shifted), the same noise either way."""
+        draws = seeded_flow_draws(seeds, latent_shape, device)
+        if levels is not None:
+            draws["t"] = levels.to(device)
+        return draws
+
+    def fixed_levels(self, k: int) -> torch.Tensor:
+        """K evenly spaced noise levels t = i / K, i = 0 .. K - 1: MLPerf's Flux validation timesteps
+        [0, 7/8] for K = 8 (models/eval_timesteps.py)."""
+        return torch.arange(k, dtype=torch.float32) / k
 
     def diffuse(self, latents: torch.Tensor, draws: dict, image_size: tuple[int, int]) -> Noised:
         noise = draws["noise"]
-        t = self.sample_timesteps(draws["normal"], image_size)
+        t = draws["t"] if "t" in draws else self.sample_timesteps(draws["normal"], image_size)
         sigma = t[:, None, None, None]
         noisy = (1 - sigma) * latents + sigma * noise
         return Noised(noisy, t * self.scheduler.config.num_train_timesteps, noise - latents, t)

@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from data.loader import EvalDataConfig, ImageCaptionDataConfig
+from extensions.quality_target import config_problem as quality_target_problem
 from recipes.checks import (
     cudagraphs_problem,
     device_problem,
@@ -106,6 +107,7 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
         _check_target(run.scheduler, "scheduler")
     _check_values(run)
     _check_export_folders(run)
+    _refuse(quality_target_problem(run.callbacks, run.data.eval))
     return run
 
 
