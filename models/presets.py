@@ -338,6 +338,8 @@ def bundled_t5(preset: str) -> bool:
     return bool(PRESETS[preset].get("bundled_t5", False))
 
 
+# The trained network's component name in a diffusers pipeline folder: a UNet or a transformer.
+DENOISERS = ("unet", "transformer")
 # Components a family's model may go without: SD3's T5, built only by a `bundled_t5` preset.
 OPTIONAL = ("text_encoder_3", "tokenizer_3")
 
@@ -359,10 +361,9 @@ def family(preset: str) -> str:
 
 
 def denoiser_name(preset: str) -> str:
-    """The trained network's component name: "unet", or "transformer" (diffusers' names)."""
-    from models.family import of  # the family table (models/family.py) imports this module
-
-    return of(preset).denoiser
+    """The trained network's component name: "unet", or "transformer" (diffusers' names, whichever
+    the preset configures; models.family's `Family.denoiser` is the same name)."""
+    return next(name for name in DENOISERS if name in PRESETS[preset])
 
 
 def vae_factor(preset: str) -> int:
