@@ -1,7 +1,8 @@
 """Plan a run at several GPU counts: batch split, images seen, days, GPU-hours and cost.
 
     python -m recipes.plan yamls/RUN.yaml --gpus 8 16 32 64 128 256 --img-per-sec-per-gpu 137.5 \
-        [--price-per-gpu-hour 2] [--microbatch N|auto] [--json] [--plot plan.png] [key=value ...]
+        [--price-per-gpu-hour 2] [--microbatch N|auto] [--gpu-memory 80] [--shard 1 2 4 8] \
+        [--json] [--plot plan.png] [key=value ...]
 
 The YAML gives the global batch, `trainer.max_duration` (in batches, `550000ba`, or samples, `Nsp`)
 and `trainer.device_train_microbatch_size`; nothing in it depends on the GPU count. Throughput
@@ -29,6 +30,10 @@ microbatch a run at that count uses, the largest divisor of its per-device batch
 A GPU count whose batch split fails (the world size does not divide the global batch) is reported
 on its row, with `error` in JSON and no days, GPU-hours or cost; the rest of the table is still
 printed and the planner exits with status 1, so a script that checks a recipe stops there.
+
+Below it, memory per GPU at each count and sharding shape (the run's own, or `--shard`'s), by part
+(recipes/memory.py); a shape over `--gpu-memory` is marked NO, a line names the smallest shard that
+fits, and a count where no shape fits also makes the exit status 1.
 """
 
 import argparse
@@ -43,6 +48,7 @@ from omegaconf import OmegaConf
 
 from recipes.compose import load_config
 from recipes.config import ConfigError, parse_config
+from recipes.memory import add_memory_arguments, format_memory, plan_memory
 from recipes.scaling import plan_batches
 from recipes.throughput import Throughput, rate_note, read_throughput, write_throughput
 
@@ -53,6 +59,7 @@ log = logging.getLogger(__name__)
 DEFAULT_GPUS = [8, 16, 32, 64, 128, 256]
 DEFAULT_PRICE = 2.0  # $/A100-hour, the price the published mosaicml/diffusion cost figures use
 ROW_KEYS = ["gpus", "per_device_batch", "microbatch", "grad_accum", "images", "days", "gpu_hours", "cost"]
+ROW_KEYS += ["memory"]  # one dict per sharding shape: recipes/memory.py plan_memory, called by main
 
 
 def images_to_see(max_duration, global_batch_size: int) -> int:
@@ -194,14 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_microbatch,
         help="override trainer.device_train_microbatch_size (a cap: int, or auto)",
     )
+    add_memory_arguments(parser, _gpu_count)
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     parser.add_argument("--plot", help="also write a PNG of days and cost vs GPUs")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print the plan; exit with status 1 when a GPU count's batch split fails (status 2: bad
-    arguments, as argparse)."""
+    """Print the plan; exit with status 1 when a GPU count's batch split fails or no shape of it fits
+    (status 2: bad arguments, as argparse)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args, overrides = _parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -226,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
             throughput.img_per_sec_per_gpu,
             args.price_per_gpu_hour,
         )
+        memory_notes, no_fit = plan_memory(run, rows, args.shard, args.gpu_memory, args.gpus_per_node)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
     note = rate_note(run.model["preset"], throughput)
@@ -244,8 +253,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.plot:
         write_plot(rows, args.plot, title)
-    failed = any("error" in row for row in rows)
+    failed = no_fit or any("error" in row for row in rows)
     if args.json:
+        for line in memory_notes:
+            log.warning("%s", line)
         print(json.dumps(rows, indent=2))
         if failed:
             sys.exit(1)
@@ -253,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     _print_assumptions(args, run, throughput, max_duration, microbatch, rows[0]["images"], note)
     print()
     print(format_table(rows))
+    print()
+    print("\n".join([format_memory(rows, args.gpu_memory), *memory_notes]))
     if failed:
         sys.exit(1)
 
