@@ -124,11 +124,11 @@ SDXL_VARIANTS = {
     "channels_last": ["model.channels_last=true"],
     "compile": ["model.compile_unet=true"],
 }
-# SD3 medium's recipe is FSDP (full shard, one unit per joint block) without activation checkpointing
-# at 256 px: what the sharding costs, what checkpointing would, and compile.
+# SD3 medium's recipe is FSDP2 (full shard over a node, one unit per joint block) without activation
+# checkpointing at 256 px: what the sharding costs, what checkpointing would, and compile.
 SD3_VARIANTS = {
-    "baseline (FSDP full shard per joint block)": [],
-    "SHARD_GRAD_OP": ["trainer.parallelism_config.fsdp.sharding_strategy=SHARD_GRAD_OP"],
+    "baseline (FSDP2 full shard per joint block)": [],
+    "no reshard after forward (ZeRO-2)": ["parallelism.reshard_after_forward=false"],
     "activation checkpointing, 2x microbatch": ["model.activation_checkpointing=blocks", "MICROBATCH_X2"],
     "2x microbatch": ["MICROBATCH_X2"],
     "compile": ["model.compile_unet=true"],

@@ -43,6 +43,13 @@
   the CPU of starting those processes). For the same reason every RemoteUploaderDownloader (a YAML
   logger, or one Composer makes for a profiler's remote files) defaults to `use_procs=False`, its own
   documented thread mode.
+- `FSDP2Config`'s read-only `data_parallel_shard_degree` / `data_parallel_replicate_degree` (-1 and
+  None: "for FSDP 1 compatibility"), which `State.__init__` (`_create_device_mesh`) reads to build
+  the device mesh it then hands `fully_shard`, overwriting the config's own `device_mesh`: the one
+  way to an HSDP mesh (replicate x shard) through the Trainer. `mesh_fsdp2_config` returns an
+  FSDP2Config whose degrees are the run's (recipes/parallelism.py), so Composer builds a 2-D mesh
+  named `dp_replicate` x `dp_shard`, which its sharded save also reads (only the first replica
+  writes, over the shard group).
 - Modules below the public API: `composer.algorithms.ema.ema` (EMAParameters, compute_ema: bench/ema.py
   compares against Composer's EMA update), `composer.callbacks.speed_monitor.GPU_AVAILABLE_FLOPS`
   (bench/gpu_check.py's peak FLOPS table) and the modules `LPGroupNorm` / `LPLayerNorm` below
@@ -63,7 +70,7 @@ import torch
 from composer.callbacks import CheckpointSaver
 from composer.core import State
 from composer.loggers import RemoteUploaderDownloader
-from composer.utils import checkpoint, collect_env, remote_uploader
+from composer.utils import FSDP2Config, checkpoint, collect_env, remote_uploader
 
 _LAZY = {
     "EMAParameters": "composer.algorithms.ema.ema",
@@ -208,3 +215,30 @@ def upload_in_threads() -> None:
     defaults = list(init.__defaults__)
     defaults[with_defaults.index("use_procs")] = False
     init.__defaults__ = tuple(defaults)
+
+
+class _MeshFSDP2Config(FSDP2Config):
+    """An FSDP2Config whose mesh degrees are given: `shard` GPUs per copy, `replicate` copies (None: one
+    copy over the whole world, a 1-D mesh)."""
+
+    def __init__(self, shard: int, replicate: int | None, **options):
+        super().__init__(**options)
+        self.mesh_shard, self.mesh_replicate = shard, replicate
+
+    @property
+    def data_parallel_shard_degree(self) -> int:
+        return self.mesh_shard
+
+    @property
+    def data_parallel_replicate_degree(self) -> int | None:
+        return self.mesh_replicate
+
+
+def mesh_fsdp2_config(shard: int, replicate: int | None, **options) -> FSDP2Config:
+    """Composer's FSDP2Config (`options`: its fields) on a mesh of `replicate` x `shard` processes
+    (`replicate` None: a 1-D mesh of `shard`), which Composer builds when the Trainer is made."""
+    import warnings
+
+    with warnings.catch_warnings():  # "FSDP2 Config/APIs are experimental", once per rank and config
+        warnings.simplefilter("ignore", UserWarning)
+        return _MeshFSDP2Config(shard, replicate, **options)

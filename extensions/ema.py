@@ -7,7 +7,8 @@ clone. Here:
 - the average is one copy of them, fp32 by default (bf16 storage and CPU offload optional), and
   under FSDP (use_orig_params) it is built from `model.parameters()`, this rank's local shards;
   checkpoints gather it whole (every rank takes part, rank 0 writes) so they load on any world
-  size and export as usual;
+  size and export as usual; under FSDP2 it is sharded like the parameters (DTensors) and saved
+  sharded with them (extensions/ema_sharded.py);
 - updates are one in-place `torch._foreach_lerp_` over all tensors;
 - with bf16 weights whose fp32 masters the run's optimizer keeps (extensions/master_weights.py
   MasterWeightAdamW) and fp32 storage, the average follows the masters, not the rounded weights:
@@ -33,6 +34,7 @@ from composer.core import Algorithm, Event, State, Time, TimeUnit
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from compat.torch import free_gathered_weights, uses_orig_params
+from extensions import ema_sharded
 from extensions.ema_offload import ChunkedOffload, CudaCopy
 from extensions.master_weights import master_of
 
@@ -133,6 +135,8 @@ class EMA(Algorithm):
         self._names: list[str] = []
         self._params: list[torch.nn.Parameter] = []
         self._fsdp_root: torch.nn.Module | None = None  # the model, when FSDP shards it
+        self._model: torch.nn.Module | None = None  # the model, when FSDP2 shards it (DTensors)
+        self._ema_local: list[torch.Tensor] = []  # under FSDP2: this rank's shards of the average
         self._ema: list[torch.Tensor] | None = None
         self._loaded: dict | None = None  # from a checkpoint, applied once the model is final
         self._swapped = False
@@ -146,6 +150,7 @@ class EMA(Algorithm):
     # -- Composer hooks ------------------------------------------------------------------------
     def match(self, event: Event, state: State) -> bool:
         return event in (
+            Event.BEFORE_LOAD,
             Event.FIT_START,
             Event.BATCH_END,
             Event.EVAL_START,
@@ -156,6 +161,15 @@ class EMA(Algorithm):
 
     def apply(self, event: Event, state: State, logger) -> None:
         self.optimizers = state.optimizers
+        if event == Event.BEFORE_LOAD:
+            # Composer has sharded the model and loads next: under FSDP2 the sharded average, and the
+            # callback that carries it in checkpoints, must exist for the checkpoint to load into
+            # (extensions/ema_sharded.py).
+            if ema_sharded.is_sharded([p for p in state.model.parameters() if p.requires_grad]):
+                self.bind(state.model)
+                if not any(isinstance(c, ema_sharded.EMAShards) for c in state.callbacks):
+                    state.callbacks.append(ema_sharded.EMAShards(self))
+            return
         if event == Event.FIT_START:
             # Bind now, not at INIT: FSDP replaces the parameters when it wraps the model.
             self.bind(state.model)
@@ -184,6 +198,15 @@ class EMA(Algorithm):
             raise ValueError("EMA under FSDP needs use_orig_params=True (Composer's default)")
         self._fsdp_root = model if sharded else None
         self._plan = None
+        self._model = model if ema_sharded.is_sharded(self._params) else None
+        if self._model is not None:
+            if self.offload:
+                raise ValueError(
+                    "EMA offload=true with a sharded model (parallelism.shard): the average is already "
+                    "sharded over the GPUs; use storage: bf16 to halve it instead"
+                )
+            if self._ema is None:  # the template a sharded checkpoint loads into (ema_sharded.py)
+                self._allocate_from_params()
 
     def _device(self, param: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.offload else param.device
@@ -191,6 +214,11 @@ class EMA(Algorithm):
     def _allocate_from_params(self) -> None:
         """One flat buffer per device holds the whole average (views per parameter, with its
         strides): exactly numel x element size bytes, with no per-tensor allocator rounding."""
+        if self._model is not None:  # FSDP2: DTensors over this rank's shards, no strides to match
+            self._ema, self._ema_local = ema_sharded.sharded_like(self._params, self.storage)
+            self._fast_path = all(e.dtype == p.dtype for e, p in zip(self._ema, self._params))
+            self._plan = None
+            return
         pin = self.offload and torch.cuda.is_available()
         by_device: dict[torch.device, list[int]] = {}
         for i, p in enumerate(self._params):
@@ -225,15 +253,26 @@ class EMA(Algorithm):
     @torch.no_grad()
     def step(self, batch: int, update: bool = True) -> None:
         """After an optimizer step, with the number of batches trained so far: start or update."""
-        if self._ema is None:
+        if self.start_batch is None:
             if batch >= self.ema_start:
-                self._allocate_from_params()
+                if self._model is None or self._ema is None:
+                    self._allocate_from_params()
+                else:  # FSDP2's placeholder, allocated at bind: the average starts from the weights now
+                    torch._foreach_copy_(self._ema_local, [ema_sharded.local(p) for p in self._params])
                 self.start_batch = batch
                 log.info("EMA started at batch %d (%d tensors)", batch, len(self._ema))
             return
         if not update or (batch - self.start_batch) % self.update_interval:
             return
         weight = 1.0 - self.smoothing**self.update_interval
+        if self._model is not None:  # shard into shard, with no communication
+            shards = [ema_sharded.local(p) for p in self._params]
+            if self._fast_path:
+                torch._foreach_lerp_(self._ema_local, shards, weight)
+            else:
+                for e, shard in zip(self._ema_local, shards):
+                    e.lerp_(shard.to(e.dtype), weight)
+            return
         if self._fast_path:
             torch._foreach_lerp_(self._ema, self._params, weight)  # no_grad: params are read only
             return
@@ -285,7 +324,14 @@ class EMA(Algorithm):
     @torch.no_grad()
     def swap_in(self) -> None:
         """Put the averaged weights into the model; the raw ones are kept to be restored."""
-        if self._ema is None or self._swapped:
+        if self.start_batch is None or self._swapped:
+            return
+        if self._model is not None:  # FSDP2: into the shards, then gather anew at the next forward
+            self._raw = [ema_sharded.local(p).clone() for p in self._params]
+            for e, p in zip(self._ema_local, self._params):
+                ema_sharded.local(p).copy_(e)
+            self._swapped = True
+            ema_sharded.reshard(self._model)
             return
         # Exchange storage: no copy, no extra memory. Not under FSDP, whose parameters are views
         # into its flat shard: it would copy the new storage into that shard and re-view.
@@ -304,6 +350,12 @@ class EMA(Algorithm):
     def swap_out(self) -> None:
         """Restore the raw training weights exactly."""
         if not self._swapped:
+            return
+        if self._model is not None:
+            for raw, p in zip(self._raw, self._params):
+                ema_sharded.local(p).copy_(raw)
+            self._raw, self._swapped = None, False
+            ema_sharded.reshard(self._model)
             return
         if self._raw is None:
             for i, p in enumerate(self._params):
@@ -331,6 +383,10 @@ class EMA(Algorithm):
             raise RuntimeError("EMA: cannot checkpoint while the averaged weights are swapped in")
         if self._ema is None:
             ema = None
+        elif self._model is not None:
+            # The DTensors travel in the EMAShards callback's state, which torch distributed checkpoint
+            # saves shard by shard (it pickles an algorithm's state whole: Composer keeps it in a tuple).
+            ema = ema_sharded.SHARDED
         elif self._fsdp_root is not None:
             ema = self._gather_average()
         else:
@@ -377,6 +433,13 @@ class EMA(Algorithm):
     @torch.no_grad()
     def _restore(self, state: dict) -> None:
         self.start_batch = state["start_batch"]
+        if self._model is not None or state["ema"] == ema_sharded.SHARDED:
+            if self._model is None or state["ema"] != ema_sharded.SHARDED:
+                raise ValueError(
+                    "EMA: a checkpoint saved with sharding (parallelism.shard) loads only into a sharded "
+                    "model, and the reverse; resume it sharded"
+                )
+            return  # the shards were loaded into the average itself (EMAShards' state)
         if state["ema"] is None:
             self._ema = None
             return
@@ -390,9 +453,14 @@ class EMA(Algorithm):
         for name, e in zip(self._names, self._ema):
             e.copy_(state["ema"][name])
 
+    def sharded_average(self) -> dict[str, torch.Tensor]:
+        """Under FSDP2: name -> the average's DTensor, allocated at bind (a placeholder before
+        `ema_start`), what a sharded checkpoint saves and loads into (ema_sharded.EMAShards)."""
+        return dict(zip(self._names, self._ema))
+
     def averaged_state(self) -> dict[str, torch.Tensor]:
         """name -> averaged tensor (empty before ema_start)."""
-        return {} if self._ema is None else dict(zip(self._names, self._ema))
+        return {} if self.start_batch is None else dict(zip(self._names, self._ema))
 
 
 def find_ema(algorithms) -> EMA | None:

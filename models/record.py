@@ -20,6 +20,7 @@ objective. So is one whose `param_dtype` differs: the optimizer's class differs 
 (extensions/master_weights.py), and Composer then restores no optimizer state.
 """
 
+import copy
 import logging
 from pathlib import Path
 
@@ -199,7 +200,9 @@ class ModelRecord(Callback):
         self.record = record
 
     def state_dict(self) -> dict:
-        return self.record
+        # A copy: a sharded checkpoint's load (torch distributed checkpoint) writes what it read into
+        # the dict state_dict() gave it, with its keys made strings (id2label's 0 next to "0").
+        return copy.deepcopy(self.record)
 
     def load_state_dict(self, state: dict) -> None:
         # FLOW_OPTIONS: None == None in the records of a UNet model, which have none.

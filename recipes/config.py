@@ -30,6 +30,7 @@ from recipes.checks import (
     resolution_problem,
     save_folder_problem,
 )
+from recipes.parallelism import Parallelism, config_problem
 
 
 class ConfigError(ValueError):
@@ -56,6 +57,8 @@ class RunConfig:
     callbacks: dict[str, dict] = field(default_factory=dict)
     loggers: dict[str, dict] = field(default_factory=dict)
     trainer: dict = field(default_factory=dict)  # keyword arguments of composer.Trainer
+    # Sharding (FSDP2) and replication: recipes/parallelism.py.
+    parallelism: Parallelism = field(default_factory=Parallelism)
     # A recipe YAML that writes `model.pretrained` when that folder is missing (the tiny recipe's
     # VAE: yamls/tiny-vae.yaml). Run once, on first use, like `data.train.prepare`.
     prepare_pretrained: str | None = None
@@ -97,6 +100,7 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
     _check_trainer_keys(run.trainer)
     _check_max_duration(run.trainer)
     _refuse(fsdp_problem(run.trainer))
+    _refuse(config_problem(run.parallelism, run.model, run.trainer))
     for section in ("algorithms", "callbacks", "loggers"):
         for name, spec in getattr(run, section).items():
             _check_target(spec, f"{section}.{name}")

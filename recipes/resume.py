@@ -12,10 +12,14 @@ Composer 0.32.1's autoresume does not fit a remote folder:
 
 So for a remote folder our runs do not use Composer's autoresume: rank 0 lists the folder, takes the
 checkpoint with the most batches (an S3 object is listed only once its upload has completed, so a
-listed checkpoint is whole) and every rank loads it by URI, which Composer downloads into a temporary
-folder. Nothing is written outside the configured folders and no local file is consulted. Sharded
-checkpoints (a folder of files per checkpoint, `state_dict_type: sharded`) keep Composer's own path,
-which reads the remote pointer directly.
+listed checkpoint file is whole) and every rank loads it by URI, which Composer downloads into a
+temporary folder. Nothing is written outside the configured folders and no local file is consulted.
+
+Sharded checkpoints (FSDP2, recipes/parallelism.py: a folder `ep{epoch}-ba{batch}/` per checkpoint,
+a file per rank and a `.metadata`, uploaded object by object) count only when complete: the
+`.metadata` is there and every file it names is, at least as long as the bytes it reads from it
+(models/sharded_checkpoint.py). A folder some rank's upload or write never finished is skipped, as
+is a checkpoint file that does not load; the newest complete checkpoint of either kind is resumed.
 
 A local folder is not left to Composer either (`local_autoresume`): its autoresume follows rank 0's
 `latest-rank0.pt` symlink, which Composer replaces by deleting it and linking anew (a kill between
@@ -39,6 +43,8 @@ from composer.utils import dist, format_name_with_dist, maybe_create_object_stor
 
 from common.atomic import atomic_path
 from models.checkpoint_file import CheckpointError, read_checkpoint
+from models.sharded_checkpoint import ShardedCheckpointError, check_complete, is_sharded_checkpoint
+from recipes.remote_sharded import complete_remote_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,9 @@ class ResumeError(ValueError):
 SAVE_FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"  # composer.Trainer's default save_filename
 # What extensions.callbacks.NaNGuard saves the last good state as, beside the interval checkpoints.
 LAST_GOOD = "last-good-ba{batch}-rank{rank}.pt"
+# Composer's folder for a sharded checkpoint, beside save_filename (FSDP2Config.sharded_ckpt_prefix_dir,
+# fixed in Composer 0.32.1; composer/utils/checkpoint.py get_save_filename).
+SHARDED_FOLDER = "ep{epoch}-ba{batch}"
 # Fields of a save_filename that hold the rank-0 file's values; any other field is a number or a time.
 RANK_ZERO = {"rank": "0", "local_rank": "0", "node_rank": "0"}
 
@@ -79,29 +88,44 @@ def checkpoint_pattern(save_filename: str, run_name: str) -> re.Pattern | None:
     return re.compile("".join(parts) + r"\Z") if has_batch else None
 
 
+def sharded_pattern(save_filename: str, run_name: str) -> re.Pattern:
+    """A regex for the folders of sharded checkpoints under `save_filename`, relative to save_folder."""
+    parent = os.path.dirname(save_filename)
+    return checkpoint_pattern(f"{parent}/{SHARDED_FOLDER}" if parent else SHARDED_FOLDER, run_name)
+
+
 def newest_checkpoint(save_folder: str, save_filename: str, run_name: str) -> str | None:
-    """The URI of the checkpoint in `save_folder` with the most batches, None when it holds none."""
+    """The URI of the checkpoint in `save_folder` with the most batches, None when it holds none: a
+    checkpoint file, or the folder of a complete sharded checkpoint."""
     pattern = checkpoint_pattern(save_filename, run_name)
     folder = format_name_with_dist(save_folder, run_name).rstrip("/")
     store = maybe_create_object_store_from_uri(folder)
     prefix = parse_uri(folder)[2].strip("/")
     prefix = f"{prefix}/" if prefix else ""
+    names = store.list_objects(prefix)
     found = {}
-    for name in store.list_objects(prefix):
+    for name in names:
         if (match := pattern.match(name[len(prefix) :])) is not None:
             found[int(match["batch"])] = name
+    found.update(complete_remote_checkpoints(store, names, prefix, sharded_pattern(save_filename, run_name)))
     return store.get_uri(found[max(found)]) if found else None
+
+
+def loads_sharded(load_path: str | None) -> bool:
+    """Whether `load_path` is a sharded checkpoint (a folder; remote: a name without a file suffix, as
+    Composer's `ep{epoch}-ba{batch}` folders have and its checkpoint files do not)."""
+    if not load_path:
+        return False
+    if is_remote(load_path):
+        return not Path(parse_uri(load_path)[2].rstrip("/")).suffix
+    return is_sharded_checkpoint(load_path)
 
 
 def autoresume(trainer: dict, run_name: str) -> dict:
     """`trainer` (composer.Trainer's keyword arguments) with the checkpoint a rerun resumes from as its
     `load_path` and Composer's autoresume off, for a remote or a local save_folder; unchanged when
-    the run does not autoresume, or saves sharded checkpoints (Composer's own path)."""
+    the run does not autoresume."""
     return local_autoresume(remote_autoresume(trainer, run_name), run_name)
-
-
-def _sharded(trainer: dict) -> bool:
-    return (trainer.get("parallelism_config") or {}).get("fsdp", {}).get("state_dict_type") == "sharded"
 
 
 def _resume_from(trainer: dict, path: str) -> dict:
@@ -123,7 +147,7 @@ def remote_autoresume(trainer: dict, run_name: str) -> dict:
     (what Composer's autoresume does with the checkpoint it finds), or the run's own `load_path` when
     the folder holds none. Anything else is returned unchanged."""
     folder = trainer.get("save_folder")
-    if not trainer.get("autoresume") or not is_remote(folder) or _sharded(trainer):
+    if not trainer.get("autoresume") or not is_remote(folder):
         return trainer
     save_filename = trainer.get("save_filename", SAVE_FILENAME)
     if checkpoint_pattern(save_filename, run_name) is None:
@@ -158,12 +182,12 @@ def on_rank_zero(work):
 
 def local_checkpoints(folder: Path, *patterns: re.Pattern) -> list[tuple[int, str, int]]:
     """(batch, path, size) of every checkpoint under `folder` named by one of `patterns` (rank 0's
-    files; a non-sharded checkpoint is rank 0's file alone), newest first (by batch, then time).
-    Temporary files of a write in progress or killed (`.tmp-PID-NAME`), symlinks (`latest`) and
-    files renamed aside never match."""
+    files, a non-sharded checkpoint being rank 0's file alone, and sharded checkpoints' folders, their
+    size the sum of their files'), newest first (by batch, then time). Temporary files of a write in
+    progress or killed (`.tmp-PID-NAME`), symlinks (`latest`) and files renamed aside never match."""
     found = []
-    for root, _, names in os.walk(folder):
-        for name in names:
+    for root, folders, names in os.walk(folder):
+        for name in [*names, *folders]:
             path = Path(root, name)
             relative = path.relative_to(folder).as_posix()
             match = next((m for pattern in patterns if (m := pattern.match(relative))), None)
@@ -171,10 +195,18 @@ def local_checkpoints(folder: Path, *patterns: re.Pattern) -> list[tuple[int, st
                 continue
             try:
                 stat = path.stat()
+                size = _size(str(path))
             except FileNotFoundError:  # deleted meanwhile (another run's rotation)
                 continue
-            found.append((int(match["batch"]), stat.st_mtime_ns, str(path.absolute()), stat.st_size))
+            found.append((int(match["batch"]), stat.st_mtime_ns, str(path.absolute()), size))
     return [(batch, path, size) for batch, _, path, size in sorted(found, reverse=True)]
+
+
+def _size(path: str) -> int:
+    """A file's size; a folder's (a sharded checkpoint): the sum of its files' sizes."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
 
 
 def _seen_whole(listed: list[tuple[int, str, int]]) -> set[str]:
@@ -182,7 +214,7 @@ def _seen_whole(listed: list[tuple[int, str, int]]) -> set[str]:
     seen = set()
     for _, path, size in listed:
         try:
-            if os.path.getsize(path) == size:
+            if _size(path) == size:
                 seen.add(path)
         except OSError:
             pass
@@ -219,9 +251,11 @@ def _choose(listed: list[tuple[int, str, int]], everywhere: list[str], folder: P
     unreadable = []
     for path in everywhere:
         try:
-            if path.endswith(".pt"):  # torch.save's file; a tar or compressed one is left to Composer
+            if os.path.isdir(path):  # a sharded checkpoint: complete, or skipped
+                check_complete(path)
+            elif path.endswith(".pt"):  # torch.save's file; a tar or compressed one is left to Composer
                 read_checkpoint(path)
-        except (CheckpointError, FileNotFoundError) as error:
+        except (CheckpointError, ShardedCheckpointError, FileNotFoundError) as error:
             unreadable.append((path, str(error)))
             continue
         for bad, reason in unreadable:
@@ -258,7 +292,7 @@ def local_autoresume(trainer: dict, run_name: str) -> dict:
     `load_path` when the folder holds none. Raises ResumeError, on every rank, when checkpoints are
     there but none can be resumed. Anything else is returned unchanged."""
     folder = trainer.get("save_folder")
-    if not trainer.get("autoresume") or folder is None or is_remote(folder) or _sharded(trainer):
+    if not trainer.get("autoresume") or folder is None or is_remote(folder):
         return trainer
     save_filename = trainer.get("save_filename", SAVE_FILENAME)
     pattern = checkpoint_pattern(save_filename, run_name)
@@ -268,7 +302,8 @@ def local_autoresume(trainer: dict, run_name: str) -> dict:
     folder = Path(format_name_with_dist(str(folder), run_name))
     # With NaNGuard's last good state, saved when a run stopped at a NaN: the rerun resumes from it.
     last_good = checkpoint_pattern(LAST_GOOD, run_name)
-    listed = on_rank_zero(lambda: local_checkpoints(folder, pattern, last_good))
+    sharded = sharded_pattern(save_filename, run_name)
+    listed = on_rank_zero(lambda: local_checkpoints(folder, pattern, last_good, sharded))
     seen = dist.all_gather_object(_seen_whole(listed))
     everywhere = [path for _, path, _ in listed if all(path in rank_seen for rank_seen in seen)]
     decision = on_rank_zero(lambda: _choose(listed, everywhere, folder))

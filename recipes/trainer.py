@@ -41,6 +41,7 @@ from recipes.config import ConfigError, RunConfig, check_device, parse_config
 from recipes.data_checks import check_data
 from recipes.load_check import resume_and_check
 from recipes.prepare import ensure_dataset, prepare_pretrained
+from recipes.run_parallelism import shape_of, with_parallelism
 from recipes.scaling import BatchPlan, plan_batches
 from recipes.shm import clean_shared_memory
 
@@ -56,10 +57,11 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     check_device(run)
     world_size = dist.get_world_size()
     _plan(run, world_size)  # an uneven batch split fails here, before anything is built
+    sharded = shape_of(run, world_size).fsdp2  # so does a shard x replicate that is not the world size
     reproducibility.seed_all(run.seed)
     # Up once, before streaming or the Trainer would each start (and streaming destroy) their own;
     # when the Trainer would start one (composer/trainer/trainer.py), so one process stays without.
-    if dist.get_world_size() > 1 or run.trainer.get("parallelism_config"):
+    if dist.get_world_size() > 1 or run.trainer.get("parallelism_config") or sharded:
         dist.initialize_dist(run.trainer.get("device"), run.trainer.get("dist_timeout", 300.0))
     data_cfgs = [c for c in (run.data.train, run.data.eval) if c is not None]
     clean_shared_memory([c.local for c in data_cfgs if c.local])  # a killed run's, for our folders
@@ -88,7 +90,9 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     # The checkpoint a rerun resumes from: one decision for all ranks (recipes/resume.py), local or
     # remote; it, or the run's load_path, checked against the model before anything trains.
     kwargs = resume_and_check(trainer_kwargs(run, world_size), run.model["preset"], run.run_name)
-    fsdp = run.trainer.get("parallelism_config") and run.trainer.get("device") != "cpu"
+    # Sharding (FSDP2: recipes/parallelism.py), also for a run that resumes a sharded checkpoint.
+    kwargs = with_parallelism(kwargs, run, world_size)
+    fsdp = kwargs.get("parallelism_config") and run.trainer.get("device") != "cpu"
     if fsdp and torch.cuda.is_available():
         place_unsharded(kwargs["model"], torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
     trainer = Trainer(**kwargs)

@@ -181,6 +181,23 @@ def reference_run(shapes_mds, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mmdit_reference(shapes_mds, tmp_path_factory):
+    """`mmdit_reference(name)`: the folder of one uninterrupted run of a sharded tiny MMDiT shape
+    (tests/fsdp2_runs.py SHAPES), trained once per session and shared by the FSDP2 tests."""
+    from tests.fsdp2_runs import mmdit_command
+    from tests.resume_check import run, train_env
+
+    def build(out: Path, name: str) -> None:
+        result = run(mmdit_command(name, out, shapes_mds), REPO, train_env())
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+    def get(name: str) -> Path:
+        return shared_folder(tmp_path_factory, f"mmdit-{name}", lambda out: build(out, name))
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_pipeline(tmp_path_factory):
     """(folder, weights): a small SD pipeline written with diffusers' own save_pretrained (random tiny
     weights, a v-prediction schedule, so the objective visibly comes from the folder), and its UNet,

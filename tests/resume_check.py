@@ -24,15 +24,18 @@ COMPOSER = str(REPO / ".venv/bin/composer") if (REPO / ".venv/bin/composer").exi
 LAUNCH = [sys.executable, str(REPO / "tests/launch.py")]
 
 
-def train_command(nproc: int, out: Path, shapes_mds: Path, *extra: str, save_folder=None) -> list[str]:
+def train_command(
+    nproc: int, out: Path, shapes_mds: Path, *extra: str, save_folder=None, recipe: str = "tiny-cpu"
+) -> list[str]:
     """tests/dist_train.py (train.py plus saving each rank's final UNet and EMA weights) on the tiny
-    recipe, saving every batch, with the loss and sample-key logs the tests compare."""
+    recipe (or `recipe`, another tiny one), saving every batch, with the loss and sample-key logs the
+    tests compare."""
     launcher = [sys.executable] if nproc == 1 else [*LAUNCH, "-n", str(nproc)]
     return [
         *launcher,
         str(REPO / "tests/dist_train.py"),
         str(out),
-        str(REPO / "yamls/tiny-cpu.yaml"),
+        str(REPO / f"yamls/{recipe}.yaml"),
         *TINY_TEST,
         f"data.train.local={shapes_mds / 'mds'}",
         "~data.train.prepare",

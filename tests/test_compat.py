@@ -49,6 +49,10 @@ RELIED_ON = [
     ("composer.loggers:RemoteUploaderDownloader", "__init__", ("bucket_uri", "use_procs")),
     ("composer.utils.collect_env", "get_cpu_model", ()),  # called by get_composer_env_dict
     ("composer.utils.collect_env", "get_composer_env_dict", ()),  # called by Trainer.__init__
+    ("composer.utils", "FSDP2Config", None),
+    ("composer.utils:FSDP2Config", "data_parallel_shard_degree", None),  # read by _create_device_mesh
+    ("composer.utils:FSDP2Config", "data_parallel_replicate_degree", None),
+    ("composer.core.state", "_create_device_mesh", ("device", "fsdp_config", "tp_config")),
     ("composer.algorithms.ema.ema", "EMAParameters", ("model",)),
     ("composer.algorithms.ema.ema", "compute_ema", ("model", "ema_model", "smoothing")),
     ("composer.callbacks.speed_monitor", "GPU_AVAILABLE_FLOPS", None),
@@ -95,6 +99,15 @@ RELIED_ON = [
     ("torch.distributed.fsdp._flat_param:FlatParamHandle", "uses_sharded_strategy", None),
     ("torch.distributed.fsdp._flat_param:FlatParamHandle", "needs_unshard", ()),
     ("torch.distributed.fsdp._runtime_utils", "_reshard", ("state", "handle", "free_unsharded_flat_param")),
+    ("torch.distributed.fsdp._fully_shard", "_fsdp_collectives", None),
+    (
+        "torch.distributed.fsdp._fully_shard._fsdp_collectives",
+        "_get_gradient_divide_factors",
+        ("reduce_scatter_group", "all_reduce_group", "reduce_dtype", "device_type"),
+    ),
+    ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_reduce", None),  # looks it up
+    ("torch.cpu:Stream", "record_event", ()),
+    ("torch.cpu", "Event", None),
     ("torch.utils._python_dispatch", "TorchDispatchMode", None),
     (
         "torch.utils._python_dispatch:TorchDispatchMode",

@@ -78,11 +78,6 @@ def test_a_remote_folder_loads_the_newest_checkpoint_whole(bucket, tmp_path):
         {"save_folder": "runs/local", "autoresume": True},
         {"save_folder": "s3://b/p", "autoresume": False},
         {"save_folder": None, "autoresume": True},
-        {
-            "save_folder": "s3://b/p",
-            "autoresume": True,
-            "parallelism_config": {"fsdp": {"state_dict_type": "sharded"}},
-        },
         {"save_folder": "s3://b/p", "autoresume": True, "save_filename": "ep{epoch}.pt"},
     ],
 )

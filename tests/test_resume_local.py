@@ -93,11 +93,6 @@ def test_no_checkpoint_that_loads_is_one_error_and_changes_nothing(folder):
         {"save_folder": "missing-{run_name}", "autoresume": True, "load_path": "stage1.pt"},
         {"save_folder": "FOLDER", "autoresume": False},
         {"save_folder": "FOLDER", "autoresume": True, "save_filename": "ep{epoch}.pt"},
-        {
-            "save_folder": "FOLDER",
-            "autoresume": True,
-            "parallelism_config": {"fsdp": {"state_dict_type": "sharded"}},
-        },
     ],
 )
 def test_runs_without_checkpoints_or_left_to_composer(trainer, folder, tmp_path, monkeypatch):

@@ -32,6 +32,7 @@ TIER_MARKS = {
 FIXTURE_MARKS = {
     "tiny_checkpoint": ("fit",),
     "reference_run": ("fit", "subprocess"),
+    "mmdit_reference": ("fit", "subprocess"),
     "s3_server": ("server", "subprocess"),
     "slurm": ("server", "subprocess"),
     "lora_run": ("fit",),

@@ -1,0 +1,35 @@
+"""The tiny MMDiT runs the FSDP2 tests share (recipes/parallelism.py): tests.resume_check's command
+(tests/dist_train.py, a checkpoint every batch, loss and sample-key logs) on yamls/tiny-mmdit-cpu.yaml,
+in the shapes the tests compare. `mmdit_reference(name)` (tests/conftest.py) trains each once per
+session; the kill, elastic, S3 and export tests compare against them.
+"""
+
+from pathlib import Path
+
+from tests.resume_check import train_command
+
+RECIPE = "tiny-mmdit-cpu"
+# A microbatch cap of 8: one microbatch of a rank's 8 samples on 2 processes, 2 of 8 on one (an
+# elastic restart re-derives it), one of 4 on 4.
+COMMON = ["trainer.device_train_microbatch_size=8"]
+SHAPES = {  # name -> (processes, overrides)
+    "shard-2": (2, ["parallelism.shard=2"]),
+    "hsdp-2x2": (4, ["parallelism.shard=2", "parallelism.replicate=2"]),
+}
+
+
+def mmdit_command(
+    name: str, out: Path, shapes_mds: Path, *extra: str, nproc=None, save_folder=None
+) -> list[str]:
+    """The command of shape `name` (SHAPES; `nproc` another process count, for an elastic restart)."""
+    processes, overrides = SHAPES[name]
+    return train_command(
+        nproc or processes,
+        out,
+        shapes_mds,
+        *COMMON,
+        *overrides,
+        *extra,
+        save_folder=save_folder,
+        recipe=RECIPE,
+    )

@@ -1,0 +1,114 @@
+"""Sharded training (FSDP2, recipes/parallelism.py) on the tiny MMDiT over gloo, end to end:
+`composer -n 2 ... parallelism.shard=2` trains like data parallelism and writes sharded checkpoints
+(the EMA's average sharded with the model); SIGKILLed at a random moment and rerun, it ends bitwise
+equal to the uninterrupted run; its checkpoint continues on one process (elastic); HSDP on 4
+processes trains and resumes the same way. The uninterrupted runs are shared session fixtures
+(tests/conftest.py mmdit_reference)."""
+
+import shutil
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from extensions.callbacks import read_loss_log
+from tests.conftest import REPO
+from tests.fsdp2_runs import COMMON, RECIPE, mmdit_command
+from tests.probes import read_key_log
+from tests.resume_check import (
+    BATCHES,
+    assert_same_run,
+    kill_point,
+    run,
+    run_and_kill_at,
+    train_command,
+    train_env,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _shard_files(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_sharded_run_trains_like_data_parallel_and_saves_sharded_checkpoints(
+    mmdit_reference, shapes_mds, tmp_path
+):
+    """The same 2-process run unsharded (DDP) for 3 batches: each rank draws the same noise from the
+    same seed either way, so the losses agree to fp32 rounding (the gradients are averaged by a
+    reduce-scatter instead of an all-reduce). A 1-process run cannot be compared loss for loss: its
+    one rank draws the noise of the whole batch from rank 0's seed."""
+    sharded = mmdit_reference("shard-2")
+    ddp = train_command(2, tmp_path, shapes_mds, *COMMON, "trainer.max_duration=3ba", recipe=RECIPE)
+    result = run(ddp, REPO, train_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    want, got = read_loss_log(tmp_path / "loss.jsonl"), read_loss_log(sharded / "loss.jsonl")
+    assert sorted(want) == [1, 2, 3]
+    for batch, loss in want.items():
+        assert got[batch] == pytest.approx(loss, rel=1e-5, abs=1e-6), batch
+    assert got[3] != got[1]  # it trained
+
+    # Checkpoints: a folder per batch, torch distributed checkpoint's file per rank and its metadata.
+    folders = sorted(p.name for p in (sharded / "ckpt").iterdir() if p.is_dir() and not p.is_symlink())
+    assert folders == [f"ep{(b - 1) // 4}-ba{b}" for b in range(1, BATCHES + 1)]
+    last = sharded / "ckpt" / folders[-1]
+    assert _shard_files(last) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    metadata = FileSystemReader(str(last)).read_metadata().state_dict_metadata
+    name = "transformer.transformer_blocks.0.attn.to_q.weight"
+    for key in (f"state.model.{name}", f"state.callbacks.EMAShards.ema.{name}"):
+        assert len(metadata[key].chunks) == 2, key  # half of it from each rank: the model and the EMA
+    assert ["state.optimizers" in k for k in metadata].count(True) > 0
+
+
+def test_sigkill_and_rerun_ends_bitwise_equal(mmdit_reference, shapes_mds, tmp_path):
+    kill_at, delay, why = kill_point(2, BATCHES - 2)
+    command = mmdit_command("shard-2", tmp_path, shapes_mds)
+    run_and_kill_at(command, REPO, train_env(), tmp_path / "loss.jsonl", kill_at, delay)
+    again = run(command, REPO, train_env())
+    assert again.returncode == 0, f"{why}: " + again.stderr[-3000:]
+    assert "the newest complete checkpoint" in again.stderr, why
+    assert_same_run(mmdit_reference("shard-2"), tmp_path, why)
+
+
+def test_a_sharded_checkpoint_continues_on_one_process(mmdit_reference, shapes_mds, tmp_path):
+    """A node lost: the 2-process run's checkpoint of batch 4 continues under one process (no
+    `parallelism.shard`: the sharded checkpoint keeps it sharded, over 1 GPU), with the global batch of
+    16 as two microbatches of 8 instead of one per rank, on the same samples in the same order."""
+    reference = mmdit_reference("shard-2")
+    shutil.copytree(reference / "ckpt" / "ep0-ba4", tmp_path / "ckpt" / "ep0-ba4")
+    command = train_command(1, tmp_path, shapes_mds, *COMMON, recipe=RECIPE)
+    result = run(command, REPO, train_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumes a sharded checkpoint" in result.stderr
+    assert (
+        "global batch 16 = 1 devices x 16 per device (microbatch 8, gradient accumulation 2)" in result.stderr
+    )
+    losses = read_loss_log(tmp_path / "loss.jsonl")
+    assert sorted(losses) == list(range(5, BATCHES + 1))
+    assert all(torch.isfinite(torch.tensor(list(losses.values()))))
+    keys, want = read_key_log(tmp_path / "keys.jsonl"), read_key_log(reference / "keys.jsonl")
+    assert [set(keys[b]) for b in losses] == [set(want[b]) for b in losses]
+    assert _shard_files(tmp_path / "ckpt" / f"ep1-ba{BATCHES}") == [".metadata", "__0_0.distcp"]
+    # It trained on from the checkpoint: near the 2-process run's weights (other noise draws), not equal.
+    got, ref = torch.load(tmp_path / "unet-rank0.pt"), torch.load(reference / "unet-rank0.pt")
+    distance = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    assert 0 < distance < 0.05, distance
+
+
+def test_hsdp_on_four_processes_trains_and_resumes_bitwise(mmdit_reference, shapes_mds, tmp_path):
+    """2 copies x 2 shards: only the first copy writes (2 shard files), and a kill and rerun ends as the
+    uninterrupted HSDP run."""
+    reference = mmdit_reference("hsdp-2x2")
+    assert _shard_files(reference / "ckpt" / f"ep1-ba{BATCHES}") == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    kill_at, delay, why = kill_point(2, BATCHES - 2)
+    command = mmdit_command("hsdp-2x2", tmp_path, shapes_mds)
+    run_and_kill_at(command, REPO, train_env(), tmp_path / "loss.jsonl", kill_at, delay)
+    again = run(command, REPO, train_env())
+    assert again.returncode == 0, f"{why}: " + again.stderr[-3000:]
+    assert "2 GPU(s) x 2 copies (HSDP)" in again.stderr
+    assert_same_run(reference, tmp_path, why)
