@@ -112,7 +112,20 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
     _check_values(run)
     _check_export_folders(run)
     _refuse(quality_target_problem(run.callbacks, run.data.eval))
+    run.trainer = _with_dist_timeout(run)
     return run
+
+
+def _with_dist_timeout(run: RunConfig) -> dict:
+    """`trainer.dist_timeout` derived from the hang watchdog's allowances (extensions/watchdog.py says
+    how), so a collective never times out before the watchdog has written the stacks."""
+    from extensions.watchdog import dist_timeout
+
+    try:
+        timeout = dist_timeout(run.callbacks, run.trainer.get("dist_timeout"))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    return run.trainer if timeout is None else {**run.trainer, "dist_timeout": timeout}
 
 
 def _check_export_folders(run: RunConfig) -> None:

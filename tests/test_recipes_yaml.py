@@ -16,6 +16,7 @@ from PIL import Image
 from compat.torch import is_compiled
 from data.image_caption import ImageCaptionDataset
 from extensions.master_weights import MasterWeightAdamW
+from extensions.watchdog import dist_timeout
 from models import build_model
 from models.record import describe
 from models.torch_compile import compiles_with_cudagraphs
@@ -145,9 +146,10 @@ def test_sd2_base_wiring_trains_on_the_tiny_preset(shapes_mds, tmp_path):
     world = 8
     kwargs = trainer_kwargs(run, world_size=world)
     # trainer: every key of the YAMLs (read here without Hydra) passes through unchanged, but for the
-    # microbatch, a cap.
+    # microbatch, a cap; dist_timeout is the hang watchdog's (extensions/watchdog.py).
     base, sd2 = (yaml.safe_load((YAMLS / f"{n}.yaml").read_text()) for n in ("_base", "sd2-base"))
     expected = {**base["trainer"], **sd2["trainer"], "save_folder": "s3://bucket/checkpoints/sd2-base-256"}
+    expected["dist_timeout"] = dist_timeout(recipe["callbacks"], None)
     recipe_keys = {"run_name", "seed", "model", "train_dataloader", "eval_dataloader", "optimizers"}
     recipe_keys |= {"schedulers", "algorithms", "callbacks", "loggers"}
     assert kwargs.keys() == recipe_keys | expected.keys()
