@@ -254,4 +254,4 @@ def recipe_settings(recipe: RecipeModel) -> tuple[str, str | None, bool]:
             ) from None
     components = model.get("pretrained_components") or []
     loads_t5 = pretrained is not None and any(name in components for name in T5_PARTS)
-    return preset, pretrained, loads_t5 or bundled_t5(preset)
+    return preset, pretrained, (loads_t5 or bundled_t5(preset)) and families.of(preset).reads_t5

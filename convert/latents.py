@@ -324,8 +324,9 @@ def convert_latents(
     if recipe is not None:
         preset, pretrained, t5 = recipe_settings(recipe)
     else:
-        # A preset with its own T5 (mmdit-tiny-t5) always stores T5's context: its model reads it.
-        t5 = t5 or (preset in PRESETS and bundled_t5(preset))
+        # A preset with its own optional T5 (mmdit-tiny-t5) always stores T5's context: its model reads
+        # it. (A family whose T5 is not optional, Flux, stores it as its `text_embeds`.)
+        t5 = t5 or (preset in PRESETS and bundled_t5(preset) and families.of(preset).reads_t5)
         check_encoder_flags(preset, pretrained, t5)
     parts, buckets = source_parts(src)
     resolutions = tuple(resolutions)

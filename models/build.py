@@ -16,7 +16,8 @@ from models.eval_timesteps import check_eval_timesteps
 from models.family import FLOW_OPTIONS, OBJECTIVE_OPTIONS, build_components, load_component
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
 from models.mmdit import LOSS_WEIGHTINGS, RectifiedFlowTransformer
-from models.presets import PRESETS, bundled_t5, denoiser_name
+from models.objectives import TIMESTEP_DENSITIES
+from models.presets import OPTIONAL, PRESETS, bundled_t5, denoiser_name
 from models.sharding import GRANULARITIES
 from models.sharding import configure as configure_sharding
 from models.stable_diffusion import StableDiffusion
@@ -54,7 +55,7 @@ def bundled_tokenizers(preset: str) -> dict:
         pad = "pad_token" + name.removeprefix("tokenizer")  # the first's may be left out: SD2's "!"
         tokenizers[name] = build_tokenizer(pad_token=spec[pad] if name != "tokenizer" else spec.get(pad, "!"))
     if bundled_t5(preset):
-        tokenizers["tokenizer_3"] = build_t5_tokenizer()
+        tokenizers[families.of(preset).t5_tokenizer] = build_t5_tokenizer()
     return tokenizers
 
 
@@ -110,6 +111,7 @@ def build_model(
     timestep_std: float = 1.0,
     timestep_shift: float | str | None = None,
     loss_weighting: str | None = None,
+    timestep_density: str | None = None,
     caption_drop_prob: float = 0.0,
     gradient_checkpointing: bool = False,
     channels_last: bool = False,
@@ -141,6 +143,8 @@ def build_model(
         loaded scheduler's or the preset's, SD3's 3.0; a number, 1 = none; "auto":
         sqrt(pixels / 256^2), the SD3 paper's resolution-dependent shift, at each batch's and each
         sample's size), and an optional loss weighting (None, "sigma_sqrt", "cosmap": diffusers' names).
+    timestep_density: "logit_normal" (SD3's) or "uniform" (the MLPerf Flux.1 reference's); None: the
+        preset's `timestep_density` (the flux presets' uniform), else logit-normal.
     attention: "sdpa" (torch scaled_dot_product_attention, diffusers' default on torch 2) or
         "math" (the plain attention processor, for debugging or exotic devices; UNet presets only).
     low_precision_norms: "amp_bf16" or "amp_fp16" to run the denoiser's GroupNorm/LayerNorm in that
@@ -168,8 +172,8 @@ def build_model(
     """
     objective, pretrained_components, lora = _checked(
         preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
-        zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, attention,
-        fsdp_wrap, activation_checkpointing, lora, param_dtype, eval_timesteps,
+        zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
+        attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, eval_timesteps,
     )  # fmt: skip
     parts = _parts(preset, pretrained, pretrained_components)
     options = _objective(preset, parts, pretrained_components if pretrained else (), objective)
@@ -210,8 +214,8 @@ def check_model_options(preset: str, **options) -> None:
 
 def _checked(
     preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
-    zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, attention,
-    fsdp_wrap, activation_checkpointing, lora, param_dtype, eval_timesteps,
+    zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
+    attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, eval_timesteps,
 ):  # fmt: skip
     """build_model's options checked: (objective keywords, components to load, LoRA options)."""
     if preset not in PRESETS:
@@ -227,16 +231,22 @@ def _checked(
         timestep_std=timestep_std,
         timestep_shift=timestep_shift,
         loss_weighting=loss_weighting,
+        timestep_density=timestep_density,
     )
     _check_family_options(preset, objective)
     if loss_weighting not in LOSS_WEIGHTINGS:
         raise ValueError(f"model.loss_weighting={loss_weighting!r}; choose one of {list(LOSS_WEIGHTINGS)}")
+    if timestep_density not in (None, *TIMESTEP_DENSITIES):
+        raise ValueError(
+            f"model.timestep_density={timestep_density!r}; choose one of {list(TIMESTEP_DENSITIES)}"
+        )
     if pretrained_components is None:
         pretrained_components = (denoiser_name(preset), "vae", "text_encoder", "tokenizer")
     _check_switches(preset, pretrained_components, attention, lora, fsdp_wrap, activation_checkpointing)
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"model.param_dtype={param_dtype!r}; choose one of {list(PARAM_DTYPES)}")
     pretrained_components = _partners(preset, pretrained_components)
+    _check_t5_tokenizer(preset, pretrained, pretrained_components)
     if "text_encoder_3" in pretrained_components and pretrained is None:
         raise ValueError(
             "pretrained_components names text_encoder_3 (T5), which loads only from model.pretrained: "
@@ -246,6 +256,19 @@ def _checked(
         lora = check_lora_options(lora, pretrained, pretrained_components)
 
     return objective, pretrained_components, lora
+
+
+def _check_t5_tokenizer(preset, pretrained, pretrained_components) -> None:
+    """A family that always reads T5 (Flux) needs its tokenizer from a folder, unless the preset builds
+    a toy one offline (`bundled_t5`): an error before anything is built, not a missing argument."""
+    t5 = families.of(preset).t5_tokenizer
+    if not t5 or t5 in OPTIONAL or bundled_t5(preset):
+        return
+    if pretrained is None or t5 not in pretrained_components:
+        raise ValueError(
+            f"preset {preset!r} reads T5, whose tokenizer ({t5}) is not built offline: give "
+            f"model.pretrained, a folder with {t5}/ (a FLUX.1 one), and name {t5} in pretrained_components"
+        )
 
 
 def _check_switches(
@@ -323,6 +346,7 @@ def _objective(preset: str, parts: dict, loaded, objective: dict) -> dict:
     with the scheduler rescaled in `parts` for zero-terminal SNR."""
     if families.of(preset).objective == "flow":
         flow = {key: objective[key] for key in FLOW_OPTIONS}
+        flow["timestep_density"] = flow["timestep_density"] or PRESETS[preset].get("timestep_density")
         return dict(**families.preset_options(preset), **flow)
     prediction_type = objective["prediction_type"]
     if "scheduler" in loaded and prediction_type is None:  # e.g. SD2-768's v

@@ -50,7 +50,8 @@ def size_multiple_of(model) -> tuple[int, str]:
     family = of_model(model)
     if not family.patches:
         return factor, f"the VAE's factor {factor}"
-    patch = getattr(model, family.denoiser).config.patch_size
+    # Flux's transformer takes 1 x 1 patches of latents packed 2 x 2 (the family's `packing`).
+    patch = getattr(model, family.denoiser).config.patch_size * family.packing
     return factor * patch, f"the VAE's factor {factor} x the transformer's patch size {patch}"
 
 

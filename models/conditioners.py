@@ -17,11 +17,17 @@ so both paths give the same loss.
                   second's projected pooled output, as StableDiffusionXLPipeline.encode_prompt.
   CLIPsAndT5      SD3-style MMDiT: SDXL's context, both CLIPs' pooled outputs side by side, and
                   optionally T5's last hidden states (t5_tokens, D3), as StableDiffusion3Pipeline.
+  PooledCLIPAndT5 Flux: T5's last hidden states as the context (t5_tokens, D) and CLIP ViT-L's pooled
+                  output (no projection) as the global vector, as FluxPipeline.encode_prompt.
 """
 
 import torch
 
-from models.tokenizer import tokenize, tokenize_t5
+from models.tokenizer import MAX_LENGTH, tokenize, tokenize_t5
+
+# The data loader's column of T5's ids (data/image_caption.py, from its `tokenizer_3` keyword), whichever
+# component of a family holds T5.
+T5_IDS = "input_ids_3"
 
 
 class CLIPText:
@@ -43,6 +49,10 @@ class CLIPText:
     def loader_inputs(self, parts) -> dict:
         """What the image data path needs besides the first tokenizer (data/loader.py's keywords)."""
         return {}
+
+    def context_tokens(self, t5_tokens: int | None) -> int:
+        """The length of the context the denoiser attends to (models/flops.py): CLIP's 77 tokens."""
+        return MAX_LENGTH
 
 
 class TwoCLIPs(CLIPText):
@@ -101,3 +111,39 @@ class CLIPsAndT5(TwoCLIPs):
         if parts.text_encoder_3 is not None:
             inputs.update(tokenizer_3=parts.tokenizer_3, t5_tokens=parts.t5_tokens)
         return inputs
+
+    def context_tokens(self, t5_tokens: int | None) -> int:
+        """CLIP's 77 tokens, then T5's part (zeros without a T5, but attended to all the same)."""
+        return MAX_LENGTH + (t5_tokens or 0)
+
+
+class PooledCLIPAndT5(CLIPText):
+    """Flux's: `text_encoder` (CLIP ViT-L, CLIPTextModel) gives only its pooled output (the final
+    norm's end-of-text token, unprojected), `text_encoder_2` (T5) with `tokenizer_2` reads `t5_tokens`
+    tokens of the caption and its last hidden states are the whole context, as FluxPipeline's
+    `_get_clip_prompt_embeds` and `_get_t5_prompt_embeds` (max_sequence_length=t5_tokens). T5's ids
+    travel in the loader's T5 column (T5_IDS)."""
+
+    text_parts = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    pooled = True
+
+    def ids(self, parts, captions: list[str]) -> dict[str, torch.Tensor]:
+        return {
+            **super().ids(parts, captions),
+            T5_IDS: tokenize_t5(parts.tokenizer_2, captions, parts.t5_tokens),
+        }
+
+    @torch.no_grad()
+    def encode(self, parts, ids) -> dict[str, torch.Tensor]:
+        if ids.get(T5_IDS) is None:
+            raise ValueError(f"this model reads T5 (text_encoder_2): the batch needs its ids, {T5_IDS}")
+        return {
+            "text_embeds": parts.text_encoder_2(ids[T5_IDS])[0],
+            "pooled_text_embeds": parts.text_encoder(ids["input_ids"]).pooler_output,
+        }
+
+    def loader_inputs(self, parts) -> dict:
+        return {"tokenizer_3": parts.tokenizer_2, "t5_tokens": parts.t5_tokens}
+
+    def context_tokens(self, t5_tokens: int | None) -> int:
+        return t5_tokens

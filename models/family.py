@@ -22,6 +22,8 @@ from diffusers import (
     AutoencoderKL,
     DDPMScheduler,
     FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
@@ -37,8 +39,11 @@ from transformers import (
     T5TokenizerFast,
 )
 
-from models.flops import transformer_step_flops, unet_step_flops
+from models.flops import flux_step_flops, transformer_step_flops, unet_step_flops
+from models.flux import Flux
+from models.flux_folder import save_flux_folder
 from models.mmdit import RectifiedFlowTransformer
+from models.objectives import TIMESTEP_DENSITIES
 from models.presets import OPTIONAL, PRESETS, bundled_t5, construct
 from models.presets import family as family_name
 from models.sd3_folder import README, save_sd3_folder
@@ -48,8 +53,11 @@ from models.stable_diffusion import SAMPLERS, StableDiffusion
 log = logging.getLogger(__name__)
 
 REQUIRED = object()  # an option every record of the family has (no default)
-# The rectified-flow objective's options (models/mmdit.py); timestep_shift None: the scheduler's shift.
-FLOW_OPTIONS = dict(timestep_mean=0.0, timestep_std=1.0, timestep_shift=None, loss_weighting=None)
+# The rectified-flow objective's options (models/objectives.py); timestep_shift None: the scheduler's
+# shift; timestep_density None: the preset's (`timestep_density`), else logit-normal.
+FLOW_OPTIONS = dict(
+    timestep_mean=0.0, timestep_std=1.0, timestep_shift=None, loss_weighting=None, timestep_density=None
+)
 # The DDPM objective's options with their defaults; a preset of a flow family refuses them.
 DDPM_OPTIONS = dict(prediction_type=None, offset_noise=0.0, min_snr_gamma=None, zero_terminal_snr=False)
 # The T5 length of an SD3 folder that does not say its own (no README.md of models.export): SD3's.
@@ -79,6 +87,7 @@ class Family:
     pooled_encoders: tuple[str, ...] = ()  # whose pooled, projected outputs condition the denoiser
     micro_conditioning: bool = False  # SDXL's original size and crop (convert/latents.py columns)
     patches: bool = False  # the denoiser cuts latents into patches: sides are multiples of them too
+    packing: int = 1  # latents packed into packing x packing patches before the denoiser (Flux's 2)
     samplers: tuple[str, ...] = tuple(SAMPLERS)  # the first is the default
     guidance_rescale: bool = True  # generate's guidance rescale (Lin et al. 2023) applies
     # Writes an export folder (model, folder, shown_as=the folder's final name) when the pipeline is not
@@ -103,7 +112,12 @@ class Family:
     @property
     def tokenizers(self) -> tuple[str, ...]:
         """The bundled BPE tokenizers: every CLIP tokenizer of the family."""
-        return tuple(n for n in self.components if n.startswith("tokenizer") and n not in OPTIONAL)
+        return tuple(n for n, cls in self.components.items() if cls is CLIPTokenizer)
+
+    @property
+    def t5_tokenizer(self) -> str | None:
+        """The T5 tokenizer's component name (SD3's optional `tokenizer_3`, Flux's `tokenizer_2`), if any."""
+        return next((n for n, cls in self.components.items() if cls is T5TokenizerFast), None)
 
     def partners_of(self, names) -> list[str]:
         """`names` with the partner of each named component added."""
@@ -150,6 +164,17 @@ _SD3 = dict(
     tokenizer_3=T5TokenizerFast,
 )
 _SDXL_PARTNERS = (("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2"))
+# FLUX.1's: CLIP ViT-L (its pooled output alone) and T5, both needed; the scheduler last (its config
+# is all that is drawn).
+_FLUX = dict(
+    transformer=FluxTransformer2DModel,
+    vae=AutoencoderKL,
+    text_encoder=CLIPTextModel,
+    tokenizer=CLIPTokenizer,
+    text_encoder_2=T5EncoderModel,
+    tokenizer_2=T5TokenizerFast,
+    scheduler=FlowMatchEulerDiscreteScheduler,
+)
 
 FAMILIES = {
     family.name: family
@@ -185,13 +210,36 @@ FAMILIES = {
             transformer_step_flops,
             3,  # a transformer, no UNet
             "flow",
-            {"latent_shift": REQUIRED, "t5_tokens": REQUIRED, **dict.fromkeys(FLOW_OPTIONS, REQUIRED)},
+            # Records written before timestep_density trained logit-normal timesteps.
+            {
+                "latent_shift": REQUIRED,
+                "t5_tokens": REQUIRED,
+                **dict.fromkeys(FLOW_OPTIONS, REQUIRED),
+                "timestep_density": TIMESTEP_DENSITIES[0],
+            },
             partners=_SDXL_PARTNERS + (("text_encoder_3", "tokenizer_3"), ("tokenizer_3", "text_encoder_3")),
             pooled_encoders=("text_encoder", "text_encoder_2"),
             patches=True,
             samplers=("euler",),
             guidance_rescale=False,
             save_folder=save_sd3_folder,
+        ),
+        Family(
+            "flux",
+            Flux,
+            _FLUX,
+            FluxPipeline,
+            flux_step_flops,
+            4,  # a T5 as text_encoder_2, CLIP's pooled output alone
+            "flow",
+            {"latent_shift": REQUIRED, "t5_tokens": REQUIRED, **dict.fromkeys(FLOW_OPTIONS, REQUIRED)},
+            partners=_SDXL_PARTNERS + (("text_encoder_2", "tokenizer_2"), ("tokenizer_2", "text_encoder_2")),
+            pooled_encoders=("text_encoder",),
+            patches=True,
+            packing=2,
+            samplers=("euler",),
+            guidance_rescale=False,
+            save_folder=save_flux_folder,
         ),
     )
 }
@@ -221,9 +269,14 @@ def presets_of(family: Family) -> list[str]:
     return [preset for preset in PRESETS if of(preset) is family]
 
 
-def of_components(names) -> Family:
+def of_components(names, pipeline: str | None = None) -> Family:
     """The family whose networks are all among `names` (a folder's subfolders, a state dict's
-    prefixes), the one with the most of them: with a second text encoder SDXL rather than SD."""
+    prefixes), the one with the most of them: with a second text encoder SDXL rather than SD. A
+    folder's pipeline class (`pipeline`, model_index.json's `_class_name`) names it outright: SD3's and
+    Flux's networks have the same names."""
+    named = [f for f in FAMILIES.values() if f.pipeline.__name__ == pipeline]
+    if named:
+        return named[0]
     names = set(names)
     fits = [f for f in FAMILIES.values() if _networks(f) <= names]
     return max(fits, key=lambda f: len(_networks(f)), default=FAMILIES["sd"])

@@ -19,7 +19,7 @@ import json
 import logging
 
 import torch
-from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.presets import PRESETS, denoiser_factor, denoiser_name, vae_factor
@@ -38,8 +38,11 @@ PEAK_BF16_FLOPS = {
 
 
 def context_length(preset: str) -> int:
-    """Text tokens the denoiser attends to: CLIP's 77, and an mmdit preset's T5 part after them."""
-    return CONTEXT_LENGTH + PRESETS[preset].get("t5_tokens", 0)
+    """Text tokens the denoiser attends to, as the family's conditioner says (models/conditioners.py:
+    CLIP's 77, an mmdit preset's T5 part after them, Flux's T5 tokens alone)."""
+    from models.family import of  # the family table imports the models, which import this module
+
+    return of(preset).conditioner.context_tokens(PRESETS[preset].get("t5_tokens"))
 
 
 def latent_size(preset: str, resolution: int) -> int:
@@ -120,6 +123,35 @@ def transformer_step_flops(transformer, height: int, width: int, context_length:
     return _count(step) / _BATCH
 
 
+def flux_step_flops(transformer, height: int, width: int, context_length: int) -> float:
+    """FLOPs of one forward + backward of a meta-device Flux `transformer` (FluxTransformer2DModel),
+    per image of height x width latents, packed into 2 x 2 patches as FluxPipeline packs them, and a
+    T5 context of `context_length` tokens (the guidance embedding too when it has one)."""
+    config = transformer.config
+    tokens = (height // 2) * (width // 2)
+    with torch.device("meta"):
+        latents = torch.randn(_BATCH, tokens, config.in_channels)
+        context = torch.randn(_BATCH, context_length, config.joint_attention_dim)
+        pooled = torch.randn(_BATCH, config.pooled_projection_dim)
+        timesteps = torch.rand(_BATCH)
+        img_ids, txt_ids = torch.zeros(tokens, 3), torch.zeros(context_length, 3)
+        guidance = torch.ones(_BATCH) if config.guidance_embeds else None
+
+    def step():
+        out = transformer(
+            hidden_states=latents,
+            timestep=timesteps,
+            encoder_hidden_states=context,
+            pooled_projections=pooled,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+        ).sample
+        out.float().pow(2).mean().backward()
+
+    return _count(step) / _BATCH
+
+
 @functools.cache
 def training_flops_per_image(preset: str, resolution: int) -> float:
     """FLOPs of the denoiser's forward + backward for one image of `resolution` x `resolution` pixels."""
@@ -187,6 +219,24 @@ def _cached_transformer_training_flops(
         flops,
     )
     return flops
+
+
+def flux_training_flops(transformer_config, height: int, width: int, context_length: int) -> float:
+    """`transformer_training_flops` for a Flux transformer (its diffusers config); counted once per
+    argument set, then cached (what the Flux model's `flops_per_batch` calls every batch)."""
+    return _cached_flux_training_flops(
+        json.dumps(dict(transformer_config), sort_keys=True, default=str),
+        int(height),
+        int(width),
+        int(context_length),
+    )
+
+
+@functools.cache
+def _cached_flux_training_flops(config_json: str, height: int, width: int, context_length: int) -> float:
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel.from_config(json.loads(config_json))
+    return flux_step_flops(transformer, height, width, context_length)
 
 
 @functools.cache

@@ -17,6 +17,7 @@ before any sampling: the line names the nearest valid sizes, where sampling woul
 """
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion | Rectif
     folder = Path(folder)
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(f"{folder} is not a diffusers pipeline folder (no model_index.json)")
-    family = families.of_components(path.name for path in folder.iterdir() if path.is_dir())
+    pipeline = json.loads((folder / "model_index.json").read_text()).get("_class_name")
+    family = families.of_components((path.name for path in folder.iterdir() if path.is_dir()), pipeline)
     model = family.model_class(**families.load_folder(folder, family))
     log.info("%s: loaded the %s pipeline's components", folder, family.pipeline.__name__)
     return model.eval()

@@ -201,8 +201,13 @@ class LatentDiffusion(ComposerModel):
         else:
             n, _, height, width = batch["image"].shape
             height, width = height // self.vae_scale_factor, width // self.vae_scale_factor
+        return n * self.denoiser_flops(height, width, self.context_tokens(batch))
+
+    def context_tokens(self, batch) -> int:
+        """The length of the context the denoiser attends to for `batch`: its token ids' or stored
+        embeddings', and the tokens neither shows (`extra_context_tokens`)."""
         tokens = (batch["text_embeds"] if "text_embeds" in batch else batch["input_ids"]).shape[1]
-        return n * self.denoiser_flops(height, width, tokens + self.extra_context_tokens)
+        return tokens + self.extra_context_tokens
 
     # -- sampling --------------------------------------------------------------------------------
     @staticmethod

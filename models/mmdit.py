@@ -71,9 +71,9 @@ class RectifiedFlowTransformer(LatentDiffusion):
     Objective options (see the module docstring): timestep_mean, timestep_std (the logit-normal's,
     SD3's 0 and 1), timestep_shift (None: the noise scheduler's shift; a number, 1 = none; or
     "auto": by resolution; training and sampling use the same, `shift_for`), loss_weighting
-    (None, "sigma_sqrt", "cosmap"), caption_drop_prob (replaces a sample's condition by the empty
-    caption's, which trains the unconditional branch classifier-free guidance needs; SD3: 0.1 in
-    effect for the CLIPs together).
+    (None, "sigma_sqrt", "cosmap"), timestep_density (None: logit-normal; or "uniform"),
+    caption_drop_prob (replaces a sample's condition by the empty caption's, which trains the
+    unconditional branch classifier-free guidance needs; SD3: 0.1 in effect for the CLIPs together).
 
     t5_tokens: the length of the T5 part of the context, zeros when there is no `text_encoder_3`.
     `eval_seed` seeds validation's random draws.
@@ -93,6 +93,7 @@ class RectifiedFlowTransformer(LatentDiffusion):
     timestep_std = forwarded("timestep_std")
     timestep_shift = forwarded("timestep_shift")
     loss_weighting = forwarded("loss_weighting")
+    timestep_density = forwarded("timestep_density")
 
     def __init__(
         self,
@@ -113,10 +114,11 @@ class RectifiedFlowTransformer(LatentDiffusion):
         timestep_std: float = 1.0,
         timestep_shift: float | str | None = None,
         loss_weighting: str | None = None,
+        timestep_density: str | None = None,
         caption_drop_prob: float = 0.0,
     ):
         objective = RectifiedFlow(
-            noise_scheduler, timestep_mean, timestep_std, timestep_shift, loss_weighting
+            noise_scheduler, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density
         )
         super().__init__(objective, caption_drop_prob)
         if (text_encoder_3 is None) != (tokenizer_3 is None):

@@ -35,6 +35,11 @@ SAMPLERS = {  # DDPM's samplers, by the name `generate` and the sample grids tak
     "dpm++": DPMSolverMultistepScheduler,
 }
 LOSS_WEIGHTINGS = (None, "sigma_sqrt", "cosmap")
+# Rectified flow's timestep densities, the default first: SD3's logit-normal, or uniform on (0, 1),
+# the MLPerf Flux.1 reference's (mlcommons/training text_to_image, torchtitan branch
+# mlperf-training-flux.1, torchtitan/experiments/flux/train.py: `timesteps = torch.rand((bsz,))`,
+# no shift; torchtitan's models/flux/trainer.py draws them the same way).
+TIMESTEP_DENSITIES = ("logit_normal", "uniform")
 BASE_PIXELS = 256 * 256  # the resolution `timestep_shift: auto` shifts relative to (SD3's eq. 23 n)
 
 
@@ -226,7 +231,10 @@ class RectifiedFlow:
         target = noise - x0 (the velocity dx_t/dt),  loss weight w(t).
     The timesteps are logit-normal (eq. 19; SD3's m = 0, s = 1 puts more samples in the middle of the
     path, where the velocity is hardest to predict), then shifted by s (eq. 23): s > 1 moves them
-    towards noise, which a higher resolution needs since its pixels are more redundant. 1000 t is
+    towards noise, which a higher resolution needs since its pixels are more redundant. With
+    `timestep_density="uniform"` (the MLPerf Flux.1 reference's, TIMESTEP_DENSITIES) u is uniform on
+    (0, 1) instead: u = Phi(n), the standard normal's CDF of the same draw, so training and validation
+    draw the same numbers whichever the density (timestep_mean and timestep_std do not apply). 1000 t is
     diffusers' SD3 convention (sigmas x num_train_timesteps), what the pipeline's sampler passes.
 
     One shift for training and sampling (`shift_for`): the sampler's sigmas are eq. 23 applied to a
@@ -247,7 +255,16 @@ class RectifiedFlow:
         timestep_std: float = 1.0,
         timestep_shift: float | str | None = None,
         loss_weighting: str | None = None,
+        timestep_density: str | None = None,
     ):
+        timestep_density = timestep_density or TIMESTEP_DENSITIES[0]
+        if timestep_density not in TIMESTEP_DENSITIES:
+            raise ValueError(f"timestep_density={timestep_density!r}; choose one of {TIMESTEP_DENSITIES}")
+        if timestep_density == "uniform" and (timestep_mean, timestep_std) != (0.0, 1.0):
+            raise ValueError(
+                "timestep_mean and timestep_std shape the logit-normal density; timestep_density=uniform "
+                "takes neither"
+            )
         if not timestep_std > 0:
             raise ValueError(f"timestep_std must be positive, not {timestep_std}")
         if timestep_shift not in (None, "auto") and (
@@ -272,6 +289,7 @@ class RectifiedFlow:
         self.timestep_mean, self.timestep_std = float(timestep_mean), float(timestep_std)
         self.timestep_shift = timestep_shift if timestep_shift in (None, "auto") else float(timestep_shift)
         self.loss_weighting = loss_weighting
+        self.timestep_density = timestep_density
 
     def shift_for(self, image_size: tuple[int, int]) -> float:
         """The timestep shift for images of `image_size` (height, width) pixels, in training and in
@@ -283,8 +301,11 @@ class RectifiedFlow:
         return self.timestep_shift
 
     def sample_timesteps(self, normal: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
-        """Noise levels t in (0, 1) from standard normal draws: logit-normal, then shifted."""
-        t = torch.sigmoid(self.timestep_mean + self.timestep_std * normal.float())
+        """Noise levels t in (0, 1) from standard normal draws: logit-normal (or uniform), then shifted."""
+        if self.timestep_density == "uniform":
+            t = torch.special.ndtr(normal.float())  # Phi(n): uniform on (0, 1) for n ~ N(0, 1)
+        else:
+            t = torch.sigmoid(self.timestep_mean + self.timestep_std * normal.float())
         return shift_timesteps(t, self.shift_for(image_size))
 
     def draws(self, latents: torch.Tensor) -> dict[str, torch.Tensor]:

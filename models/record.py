@@ -29,7 +29,7 @@ from composer.core import Callback
 from transformers import CLIPTokenizer, PreTrainedModel, T5TokenizerFast
 
 from models.family import FAMILIES, FLOW_OPTIONS, REQUIRED, of_model, of_record
-from models.presets import OPTIONAL, PRESETS, bundled_t5, construct
+from models.presets import PRESETS, bundled_t5, construct
 from models.tokenizer import build_t5_tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -93,21 +93,22 @@ def describe(model) -> dict:
         part = getattr(model, name, None) if name != "scheduler" else None
         if issubclass(cls, torch.nn.Module):
             record[name] = None if part is None else _config(part)
-        elif name in OPTIONAL:  # T5's tokenizer: where it came from (the CLIPs' are bundled BPE)
-            record[name] = None if part is None else {"source": _t5_source(model)}
+        elif issubclass(cls, T5TokenizerFast):  # where it came from (the CLIPs' are bundled BPE)
+            record[name] = None if part is None else {"source": _t5_source(model, name)}
         elif name != "scheduler":
             record[name] = {"source": source, "pad_token": str(part.pad_token)}
     record.update({key: _value(getattr(model, key)) for key in family.options})
     return record
 
 
-def _t5_source(model) -> str | None:
-    """The folder (or hub id) T5's tokenizer came from: the run's model.pretrained, which T5 only ever
-    loads from (models.build), or the source of the record a model was rebuilt from."""
+def _t5_source(model, name: str) -> str | None:
+    """The folder (or hub id) T5's tokenizer (component `name`) came from: the run's model.pretrained,
+    which T5 only ever loads from (models.build), or the source of the record a model was rebuilt from;
+    None for one built offline (a `bundled_t5` preset's)."""
     pretrained = getattr(model, "pretrained", None)
-    if pretrained and "tokenizer_3" in pretrained.get("components", ()):
+    if pretrained and name in pretrained.get("components", ()):
         return pretrained["source"]
-    return getattr(model, "tokenizer_3_source", None) or model.tokenizer_3.name_or_path or None
+    return getattr(model, f"{name}_source", None) or getattr(model, name).name_or_path or None
 
 
 def _tokenizer(entry: dict, subfolder: str) -> CLIPTokenizer:
@@ -137,9 +138,9 @@ def rebuild(record: dict) -> dict:
         elif issubclass(cls, torch.nn.Module):
             if record.get(part) is not None:  # an optional one (T5) the model went without: None
                 parts[part] = construct(cls, record[part], recorded=True)
-        elif part in OPTIONAL:
+        elif issubclass(cls, T5TokenizerFast):  # with its T5 (an optional one may be absent)
             if record.get(part.replace("tokenizer", "text_encoder")) is not None:
-                parts[part] = _t5_tokenizer(record[part]["source"], record.get("preset"))
+                parts[part] = _t5_tokenizer(record[part]["source"], record.get("preset"), part)
         else:
             parts[part] = _tokenizer(record[part], part)
     parts["latent_scale"] = record["latent_scale"]
@@ -148,19 +149,19 @@ def rebuild(record: dict) -> dict:
     return parts
 
 
-def _t5_tokenizer(source: str | None, preset: str | None = None) -> T5TokenizerFast:
+def _t5_tokenizer(source: str | None, preset: str | None, subfolder: str) -> T5TokenizerFast:
     if not source and preset in PRESETS and bundled_t5(preset):  # mmdit-tiny-t5's, built offline
         return build_t5_tokenizer()
     if not source:
         raise FileNotFoundError(
-            "the model record has T5 (text_encoder_3) but not where its tokenizer came from: T5's "
-            "weights are in the checkpoint, its tokenizer is not"
+            f"the model record has T5 ({subfolder.replace('tokenizer', 'text_encoder')}) but not where its "
+            "tokenizer came from: T5's weights are in the checkpoint, its tokenizer is not"
         )
     try:
-        return T5TokenizerFast.from_pretrained(source, subfolder="tokenizer_3", local_files_only=True)
+        return T5TokenizerFast.from_pretrained(source, subfolder=subfolder, local_files_only=True)
     except OSError as error:  # the folder is gone, or a hub id that is not in the local cache
         raise FileNotFoundError(
-            f"the checkpoint's model reads T5, whose tokenizer came from {source}/tokenizer_3: not found "
+            f"the checkpoint's model reads T5, whose tokenizer came from {source}/{subfolder}: not found "
             "there (T5's weights are in the checkpoint, its tokenizer is not); put that folder back"
         ) from error
 
@@ -170,8 +171,9 @@ def rebuild_model(record: dict):
     set as models.build sets them; weights as `rebuild`'s."""
     model = FAMILIES[of_record(record)].model_class(**rebuild(record))
     model.preset, model.tokenizer_source = record.get("preset"), record["tokenizer"].get("source")
-    if record.get("tokenizer_3"):
-        model.tokenizer_3_source = record["tokenizer_3"]["source"]
+    t5 = FAMILIES[of_record(record)].t5_tokenizer
+    if t5 and record.get(t5):
+        setattr(model, f"{t5}_source", record[t5]["source"])
     return model
 
 
@@ -224,6 +226,8 @@ def _setting(record: dict, key: str):
     if key == "param_dtype":  # records written before it trained fp32
         return value or "float32"
     family = FAMILIES.get(of_record(record))
+    if key not in record and family is not None and family.options.get(key, REQUIRED) is not REQUIRED:
+        return family.options[key]  # a record written before the option existed: its default
     if key == "timestep_shift" and value is None and family is not None and key in family.options:
         return (record.get("scheduler") or {}).get("shift", 1.0)
     return value

@@ -21,11 +21,13 @@ attention blocks, so "blocks" and "layers" both make one unit per block (24 on s
 parameters each): a block is the natural unit (the next one is gathered while this one computes,
 and a recomputed block is one attention and two MLPs). Finer units (a block's attention, its MLPs)
 would leave each block's adaptive-norm projections (14 M per stream) in the root unit, gathered for
-the whole step. "unet" keeps its name for the whole network (the recipes' key), whichever it is.
+the whole step. A Flux transformer's units are its double-stream blocks, then its single-stream ones
+(diffusers' `_no_split_modules` of a transformer). "unet" keeps its name for the whole network (the
+recipes' key), whichever it is.
 """
 
 import torch
-from diffusers import SD3Transformer2DModel, Transformer2DModel
+from diffusers import Transformer2DModel
 
 from compat.diffusers import ResnetBlock2D
 
@@ -38,8 +40,8 @@ def units(unet: torch.nn.Module, granularity: str) -> list[torch.nn.Module]:
         raise ValueError(f"{granularity!r} is not one of {GRANULARITIES}")
     if granularity == "unet":
         return []
-    if isinstance(unet, SD3Transformer2DModel):
-        return list(unet.transformer_blocks)
+    if not hasattr(unet, "down_blocks"):  # a transformer: its blocks, as diffusers names them
+        return [m for m in unet.modules() if type(m).__name__ in type(unet)._no_split_modules]
     if granularity == "blocks":
         return [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
     return [m for m in unet.modules() if isinstance(m, ResnetBlock2D | Transformer2DModel)]

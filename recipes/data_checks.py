@@ -205,7 +205,9 @@ def same_latents(made_with: str, preset: str) -> bool:
 
     def signature(name):
         spec = PRESETS[name]
-        widths = tuple(spec[k]["hidden_size"] for k in ("text_encoder", "text_encoder_2") if k in spec)
+        # A CLIP's hidden_size, a T5's d_model (Flux's text_encoder_2).
+        encoders = [spec[k] for k in ("text_encoder", "text_encoder_2") if k in spec]
+        widths = tuple(e.get("hidden_size", e.get("d_model")) for e in encoders)
         return family(name), spec["vae"]["latent_channels"], vae_factor(name), widths
 
     return signature(made_with) == signature(preset)

@@ -54,7 +54,7 @@ def test_every_family_gives_the_recorded_bits(preset, golden, shapes_mds, tmp_pa
 # training loader, `sd-convert latents`, the record, export) and the batch keys its own loader gives:
 # nothing below names a family's batch keys or encoder functions, so a new family is one more entry.
 
-FAMILIES = {"sd": "tiny", "sdxl": "sdxl-tiny", "mmdit": "mmdit-tiny"}
+FAMILIES = {"sd": "tiny", "sdxl": "sdxl-tiny", "mmdit": "mmdit-tiny", "flux": "flux-tiny"}
 N = 4  # samples per batch: the first of the shapes set
 PROMPTS = ["a red circle", "a blue square"]
 SAMPLING = dict(guidance_scale=4.0, num_inference_steps=4)
@@ -271,7 +271,8 @@ def test_the_exported_pipeline_samples_what_generate_samples(preset, tmp_path):
     expected = model.generate(PROMPTS, seed=3, **SAMPLING)
     folder = export_pipeline(model, tmp_path / "out")
     # As a user loads it: the pipeline's parts the export leaves out (SD3's T5) passed as None, and the
-    # call arguments the README's front matter names (SD3's max_sequence_length).
+    # call arguments the README's front matter names (SD3's max_sequence_length; Flux's size and empty
+    # negative prompt, and `guidance_scale_argument`, the argument generate's guidance scale is).
     pipeline_class = getattr(diffusers, json.loads((folder / "model_index.json").read_text())["_class_name"])
     written = {path.name for path in folder.iterdir() if path.is_dir()}
     required = inspect.signature(pipeline_class).parameters.items()
@@ -282,15 +283,20 @@ def test_the_exported_pipeline_samples_what_generate_samples(preset, tmp_path):
     text = readme.read_text() if readme.exists() else ""
     front = yaml.safe_load(text[4 : text.index("\n---", 4)]) if text.startswith("---\n") else {}
     options = {k: v for k, v in front.items() if k in inspect.signature(pipe.__call__).parameters}
+    sampling = dict(SAMPLING)
+    sampling[front.get("guidance_scale_argument", "guidance_scale")] = sampling.pop("guidance_scale")
     generator = torch.Generator().manual_seed(3)
-    images = pipe(PROMPTS, generator=generator, output_type="pt", **options, **SAMPLING).images
+    images = pipe(PROMPTS, generator=generator, output_type="pt", **options, **sampling).images
     assert images.shape == expected.shape == (2, 3, 32, 32)
     torch.testing.assert_close(images, expected, atol=1e-6, rtol=0)
 
 
 # The published checkpoints as diffusers counts their configs: stabilityai/stable-diffusion-2-base,
 # stable-diffusion-xl-base-1.0 (issue 25's numbers), stable-diffusion-3-medium-diffusers (issue 26's
-# transformer; CLIP ViT-L/14 with its projection, OpenCLIP bigG/14, the 16-channel VAE).
+# transformer; CLIP ViT-L/14 with its projection, OpenCLIP bigG/14, the 16-channel VAE),
+# black-forest-labs/FLUX.1-schnell and FLUX.1-dev (issue 40's transformers, the guidance embedding
+# the difference; CLIP ViT-L/14 without its projection; T5 v1.1 XXL's encoder, text_encoder_2/'s
+# safetensors index total_size 9,524,621,312 bytes of bf16; SD3's VAE architecture).
 PUBLISHED = {
     "sd2-base": {
         "unet": 865_910_724,
@@ -311,6 +317,20 @@ PUBLISHED = {
         "text_encoder": 123_650_304,
         "text_encoder_2": 694_659_840,
         "latent_scale": 1.5305,
+    },
+    "flux-schnell": {
+        "transformer": 11_891_178_560,
+        "vae": 83_819_683,
+        "text_encoder": 123_060_480,
+        "text_encoder_2": 4_762_310_656,
+        "latent_scale": 0.3611,
+    },
+    "flux-dev": {
+        "transformer": 11_901_408_320,
+        "vae": 83_819_683,
+        "text_encoder": 123_060_480,
+        "text_encoder_2": 4_762_310_656,
+        "latent_scale": 0.3611,
     },
 }
 

@@ -57,6 +57,7 @@ REQUIRED = {
     ],
     "sd3-finetune": ["data.train.local=/data/mds", "model.pretrained=/models/sd3", "trainer.save_folder=/ft"],
     "tiny-cpu": [],
+    "tiny-flux-cpu": [],
     "tiny-mmdit-cpu": [],
     "tiny-sdxl-cpu": [],
     "tiny-vae": [],
