@@ -1,7 +1,8 @@
 """Reading a Composer checkpoint file for export: its state, the raw weights and the EMA average.
 
 Composer writes `{"state": {"model": ..., "algorithms": [(name, state), ...], "callbacks": {...}}}`;
-the optimizer state (twice the UNet's size) is memory-mapped and never read.
+the optimizer state (twice the UNet's size) is memory-mapped and never read. A sharded checkpoint
+(a folder, written under FSDP2) is read by models/sharded_checkpoint.py into the same `state`.
 """
 
 import contextlib
@@ -11,6 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from models.sharded_checkpoint import (
+    ShardedCheckpointError,
+    check_complete,
+    ema_from_shards,
+    is_sharded_checkpoint,
+    read_sharded_checkpoint,
+)
 
 # torch.save writes a zip archive; torch before 1.6 (and _use_new_zipfile_serialization=False) a
 # pickle, protocol 2. A file that starts like neither is no checkpoint; a zip without its end record
@@ -39,9 +48,16 @@ def check_checkpoint_file(path: str | Path) -> Path:
     """The checks of `path` that read a few bytes, not the checkpoint: it is a file in torch.save's
     format, and whole if a zip. A CLI makes them before its slow work; read_checkpoint again."""
     path = Path(path)
+    if is_sharded_checkpoint(path):  # a sharded checkpoint's folder: complete, or one line why not
+        try:
+            check_complete(path)
+        except ShardedCheckpointError as error:
+            raise CheckpointError(str(error)) from error
+        return path
     if path.is_dir():
         raise IsADirectoryError(
-            f"{path} is a folder: give one checkpoint file (sharded checkpoints are unsupported)"
+            f"{path} is a folder but no sharded checkpoint (no .metadata or .distcp files): give a "
+            "checkpoint file or a sharded checkpoint's folder (ep{E}-ba{B}/)"
         )
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -67,6 +83,8 @@ def read_checkpoint(path: str | Path) -> dict:
     """The `state` of a Composer checkpoint file, its tensors memory-mapped (of the optimizer state,
     twice the UNet's size, only a bf16 run's fp32 master weights are ever read: `master_state`)."""
     path = check_checkpoint_file(path)
+    if path.is_dir():
+        return read_sharded_checkpoint(path)
     with path.open("rb") as file:
         # mmap needs the zip format; the pickle of torch before 1.6 is read whole.
         mmap = file.read(len(ZIP_MAGIC)) == ZIP_MAGIC
@@ -84,7 +102,7 @@ def read_checkpoint(path: str | Path) -> dict:
     state = checkpoint.get("state") if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not a Composer checkpoint (no state['model'] in it)")
-    return state
+    return ema_from_shards(state)  # a sharded run's, converted to one file (dcp_to_torch_save)
 
 
 def model_state(state: dict) -> dict[str, torch.Tensor]:

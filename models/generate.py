@@ -35,6 +35,7 @@ from models.cli_checks import (
 )
 from models.export import add_weight_args, load_model_from_checkpoint
 from models.mmdit import RectifiedFlowTransformer
+from models.sharded_checkpoint import is_sharded_checkpoint
 from models.stable_diffusion import SAMPLERS, StableDiffusion
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def check_source(path: str | Path, ema: bool | None = None) -> Path:
     """load_model's checks that read a few bytes at most (the path is there, a checkpoint is whole,
     --ema/--raw only with a checkpoint): CLIs make them before anything slow."""
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and not is_sharded_checkpoint(path):
         if ema is not None:
             raise CheckpointError(
                 f"--ema/--raw choose weights inside a checkpoint; {path} is an exported folder that "
@@ -98,7 +99,7 @@ def load_model(
 ) -> StableDiffusion | RectifiedFlowTransformer:
     """A checkpoint file or an exported pipeline folder, whichever `path` is."""
     path = check_source(path, ema)
-    if path.is_dir():
+    if path.is_dir() and not is_sharded_checkpoint(path):
         return load_model_from_pipeline_dir(path)
     return load_model_from_checkpoint(path, ema, **checkpoint_kwargs)
 
@@ -126,7 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("source", help="a Composer checkpoint file or an exported pipeline folder")
+    parser.add_argument(
+        "source", help="a Composer checkpoint (a file or a sharded checkpoint's folder) or a pipeline folder"
+    )
     parser.add_argument("prompts", nargs="+", help="one grid row per prompt")
     parser.add_argument("--out", required=True, help="PNG file to write")
     parser.add_argument("--n-per-prompt", type=int, default=4)

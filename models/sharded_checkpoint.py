@@ -121,10 +121,17 @@ def read_sharded_checkpoint(path: str | Path, parts=READ) -> dict:
     state: dict = {}
     for fqn, value in flat.items():
         _set(state, metadata.planner_data[fqn][1:], value)
+    return ema_from_shards(state)
+
+
+def ema_from_shards(state: dict) -> dict:
+    """`state` with a sharded run's EMA average (the EMAShards callback's) put back in the EMA's own
+    state, where a checkpoint file has it (None before the EMA started: the average is a placeholder).
+    Also for such a checkpoint converted to one file (torch's `dcp_to_torch_save`)."""
     for name, algorithm_state in state.get("algorithms") or []:
         if name == "EMA" and isinstance(algorithm_state, dict) and algorithm_state.get("ema") == SHARDED_EMA:
-            started = algorithm_state.get("start_batch") is not None  # else the average is a placeholder
-            average = state.get("callbacks", {}).get(EMA_SHARDS, {}).get("ema")
+            started = algorithm_state.get("start_batch") is not None
+            average = (state.get("callbacks") or {}).get(EMA_SHARDS, {}).get("ema")
             algorithm_state["ema"] = average if started else None
     return state
 

@@ -18,6 +18,13 @@ from composer.utils import format_name_with_dist
 
 from models.checkpoint_file import CheckpointError, model_state, read_checkpoint
 from models.record import read_record
+from models.sharded_checkpoint import (
+    ShardedCheckpointError,
+    check_complete,
+    is_sharded_checkpoint,
+    read_sharded_checkpoint,
+    tensor_shapes,
+)
 from recipes.config import ConfigError
 from recipes.resume import ResumeError, autoresume, is_remote, on_rank_zero
 
@@ -38,8 +45,8 @@ def resume_and_check(trainer: dict, preset: str, run_name: str) -> dict:
 
 def check_load_path(trainer: dict, preset: str, run_name: str) -> None:
     """Raise ConfigError, on every rank, when `trainer["load_path"]` (composer.Trainer's keyword
-    arguments) is a local checkpoint file that the run's model cannot load. Remote paths, folders
-    (sharded checkpoints) and tar or compressed files are left to Composer."""
+    arguments) is a local checkpoint file or sharded checkpoint folder that the run's model cannot
+    load. Remote paths and tar or compressed files are left to Composer."""
     path = trainer.get("load_path")
     if not path or is_remote(str(path)):
         return
@@ -51,15 +58,25 @@ def check_load_path(trainer: dict, preset: str, run_name: str) -> None:
 
 
 def load_path_problem(path: str, model: torch.nn.Module, preset: str, strict: bool = True) -> str | None:
-    """Why `model` (of `preset`) cannot load the checkpoint file at `path`, in one line; None if it can."""
-    if Path(path).is_dir() or not path.endswith(".pt"):
+    """Why `model` (of `preset`) cannot load the checkpoint file or sharded checkpoint folder at `path`,
+    in one line; None if it can."""
+    if is_sharded_checkpoint(path):  # its metadata's shapes and its record: no tensor is read
+        try:
+            shapes = tensor_shapes(check_complete(path))
+            state = read_sharded_checkpoint(path, parts=("callbacks",))
+        except ShardedCheckpointError as error:
+            return f"trainer.load_path: {error}"
+        saved = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    elif Path(path).is_dir() or not path.endswith(".pt"):
         return None
-    try:
-        state = read_checkpoint(path)
-    except (CheckpointError, FileNotFoundError) as error:
-        return f"trainer.load_path: {error}"
+    else:
+        try:
+            state = read_checkpoint(path)
+        except (CheckpointError, FileNotFoundError) as error:
+            return f"trainer.load_path: {error}"
+        saved = model_state(state)
     recorded = (read_record(state) or {}).get("preset")
-    differences = tensor_differences(model_state(state), model.state_dict(), strict)
+    differences = tensor_differences(saved, model.state_dict(), strict)
     if not differences:
         if recorded not in (None, preset):
             log.warning("loading %s, a %s checkpoint, into a %s model: same tensors", path, recorded, preset)

@@ -136,11 +136,18 @@ class AwaitRemoteCheckpoint(Callback):
             return
         saver = next(cb for cb in state.callbacks if getattr(cb, "remote_uploader", None) is not None)
         folder = os.path.dirname(saver.remote_file_name.format(state).lstrip("/"))
-        want = f"-ba{self.batch - 1}-rank0.pt"
+        want = [f"-ba{self.batch - 1}-rank0.pt"]
+        if state.fsdp_sharded_state_dict_enabled:  # a folder: its metadata and every rank's file
+            sharded = f"-ba{self.batch - 1}/"
+            want = [
+                f"{sharded}.metadata",
+                *(f"{sharded}__{r}_0.distcp" for r in range(dist.get_world_size())),
+            ]
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             saver.batch_end(state, logger)  # where Composer collects finished uploads
-            if any(n.endswith(want) for n in saver.remote_uploader.remote_backend.list_objects(folder)):
+            names = saver.remote_uploader.remote_backend.list_objects(folder)
+            if all(any(n.endswith(w) for n in names) for w in want):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"the checkpoint of batch {self.batch - 1} did not reach {folder}")
