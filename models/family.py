@@ -39,7 +39,7 @@ from transformers import (
     T5TokenizerFast,
 )
 
-from models.flops import flux_step_flops, transformer_step_flops, unet_step_flops
+from models.flop_count import flux_step_flops, transformer_step_flops, unet_step_flops
 from models.flux import Flux
 from models.flux_folder import save_flux_folder
 from models.mmdit import RectifiedFlowTransformer

@@ -15,19 +15,22 @@ being trained.
 
 import argparse
 import functools
-import json
 import logging
 
 import torch
-from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
-from torch.utils.flop_counter import FlopCounterMode
 
+from models.family import build_components, of
+from models.flop_count import (  # noqa: F401 (the counters: imported from here too)
+    _BATCH,
+    CONTEXT_LENGTH,
+    _count,
+    flux_training_flops,
+    transformer_training_flops,
+    unet_training_flops,
+)
 from models.presets import PRESETS, denoiser_factor, denoiser_name, vae_factor
 
 log = logging.getLogger(__name__)
-
-CONTEXT_LENGTH = 77  # CLIP tokens: the UNet attends to a 77 x cross_attention_dim context
-_BATCH = 2  # count a batch of 2 and divide, so no per-batch-of-1 shortcut can skew the count
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s.
 PEAK_BF16_FLOPS = {
@@ -40,8 +43,6 @@ PEAK_BF16_FLOPS = {
 def context_length(preset: str) -> int:
     """Text tokens the denoiser attends to, as the family's conditioner says (models/conditioners.py:
     CLIP's 77, an mmdit preset's T5 part after them, Flux's T5 tokens alone)."""
-    from models.family import of  # the family table imports the models, which import this module
-
     return of(preset).conditioner.context_tokens(PRESETS[preset].get("t5_tokens"))
 
 
@@ -62,181 +63,19 @@ def latent_size(preset: str, resolution: int) -> int:
     return resolution // factor
 
 
-def _count(fn) -> int:
-    counter = FlopCounterMode(display=False)
-    with counter:
-        fn()
-    return counter.get_total_flops()
-
-
 def _meta_components(preset: str) -> dict:
-    from models.family import build_components  # the family table imports the models, which import this
-
     with torch.device("meta"):
         return build_components(preset)
-
-
-def unet_step_flops(unet, height: int, width: int, context_length: int) -> float:
-    """FLOPs of one forward + backward of a meta-device `unet`, per image of height x width latents."""
-    with torch.device("meta"):
-        latents = torch.randn(_BATCH, unet.config.in_channels, height, width)
-        context = torch.randn(_BATCH, context_length, unet.config.cross_attention_dim)
-        timesteps = torch.randint(0, 1000, (_BATCH,))
-        extra = {}
-        if unet.config.addition_embed_type == "text_time":  # SDXL: pooled text + 6 micro-conditioning sizes
-            time_ids = 6
-            pooled = (
-                unet.config.projection_class_embeddings_input_dim
-                - time_ids * unet.config.addition_time_embed_dim
-            )
-            extra["added_cond_kwargs"] = {
-                "text_embeds": torch.randn(_BATCH, pooled),
-                "time_ids": torch.randn(_BATCH, time_ids),
-            }
-
-    def step():
-        out = unet(latents, timesteps, encoder_hidden_states=context, **extra).sample
-        out.float().pow(2).mean().backward()
-
-    return _count(step) / _BATCH
-
-
-def transformer_step_flops(transformer, height: int, width: int, context_length: int) -> float:
-    """FLOPs of one forward + backward of a meta-device SD3 `transformer`, per image of height x width
-    latents and a joint-attention context of `context_length` tokens."""
-    config = transformer.config
-    with torch.device("meta"):
-        latents = torch.randn(_BATCH, config.in_channels, height, width)
-        context = torch.randn(_BATCH, context_length, config.joint_attention_dim)
-        pooled = torch.randn(_BATCH, config.pooled_projection_dim)
-        timesteps = torch.rand(_BATCH) * 1000
-
-    def step():
-        out = transformer(
-            hidden_states=latents,
-            timestep=timesteps,
-            encoder_hidden_states=context,
-            pooled_projections=pooled,
-        ).sample
-        out.float().pow(2).mean().backward()
-
-    return _count(step) / _BATCH
-
-
-def flux_step_flops(transformer, height: int, width: int, context_length: int) -> float:
-    """FLOPs of one forward + backward of a meta-device Flux `transformer` (FluxTransformer2DModel),
-    per image of height x width latents, packed into 2 x 2 patches as FluxPipeline packs them, and a
-    T5 context of `context_length` tokens (the guidance embedding too when it has one)."""
-    config = transformer.config
-    tokens = (height // 2) * (width // 2)
-    with torch.device("meta"):
-        latents = torch.randn(_BATCH, tokens, config.in_channels)
-        context = torch.randn(_BATCH, context_length, config.joint_attention_dim)
-        pooled = torch.randn(_BATCH, config.pooled_projection_dim)
-        timesteps = torch.rand(_BATCH)
-        img_ids, txt_ids = torch.zeros(tokens, 3), torch.zeros(context_length, 3)
-        guidance = torch.ones(_BATCH) if config.guidance_embeds else None
-
-    def step():
-        out = transformer(
-            hidden_states=latents,
-            timestep=timesteps,
-            encoder_hidden_states=context,
-            pooled_projections=pooled,
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-            guidance=guidance,
-        ).sample
-        out.float().pow(2).mean().backward()
-
-    return _count(step) / _BATCH
 
 
 @functools.cache
 def training_flops_per_image(preset: str, resolution: int) -> float:
     """FLOPs of the denoiser's forward + backward for one image of `resolution` x `resolution` pixels."""
     side = latent_size(preset, resolution)
-    from models.family import of  # the family table imports the models, which import this module
-
     denoiser = _meta_components(preset)[denoiser_name(preset)]
     flops = of(preset).step_flops(denoiser, side, side, context_length(preset))
     log.info("%s at %d px (%dx%d latents): %.4g FLOP per image", preset, resolution, side, side, flops)
     return flops
-
-
-def unet_training_flops(unet_config, height: int, width: int, context_length: int = CONTEXT_LENGTH) -> float:
-    """Like `training_flops_per_image`, for any UNet: its diffusers config (`unet.config`, e.g. of a
-    pretrained one), latents of height x width and a text context of `context_length` tokens.
-    Counted on the meta device once per distinct argument set, then cached (what
-    `StableDiffusion.flops_per_batch` calls every batch)."""
-    return _cached_unet_training_flops(
-        json.dumps(dict(unet_config), sort_keys=True, default=str),
-        int(height),
-        int(width),
-        int(context_length),
-    )
-
-
-@functools.cache
-def _cached_unet_training_flops(config_json: str, height: int, width: int, context_length: int) -> float:
-    with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(json.loads(config_json))
-    flops = unet_step_flops(unet, height, width, context_length)
-    log.info(
-        "UNet at %dx%d latents, %d context tokens: %.4g training FLOP per image",
-        height,
-        width,
-        context_length,
-        flops,
-    )
-    return flops
-
-
-def transformer_training_flops(transformer_config, height: int, width: int, context_length: int) -> float:
-    """`unet_training_flops` for an SD3 transformer (its diffusers config), latents of height x width
-    and a joint-attention context of `context_length` tokens; counted once per argument set, then
-    cached (what `RectifiedFlowTransformer.flops_per_batch` calls every batch)."""
-    return _cached_transformer_training_flops(
-        json.dumps(dict(transformer_config), sort_keys=True, default=str),
-        int(height),
-        int(width),
-        int(context_length),
-    )
-
-
-@functools.cache
-def _cached_transformer_training_flops(
-    config_json: str, height: int, width: int, context_length: int
-) -> float:
-    with torch.device("meta"):
-        transformer = SD3Transformer2DModel.from_config(json.loads(config_json))
-    flops = transformer_step_flops(transformer, height, width, context_length)
-    log.info(
-        "transformer at %dx%d latents, %d context tokens: %.4g training FLOP per image",
-        height,
-        width,
-        context_length,
-        flops,
-    )
-    return flops
-
-
-def flux_training_flops(transformer_config, height: int, width: int, context_length: int) -> float:
-    """`transformer_training_flops` for a Flux transformer (its diffusers config); counted once per
-    argument set, then cached (what the Flux model's `flops_per_batch` calls every batch)."""
-    return _cached_flux_training_flops(
-        json.dumps(dict(transformer_config), sort_keys=True, default=str),
-        int(height),
-        int(width),
-        int(context_length),
-    )
-
-
-@functools.cache
-def _cached_flux_training_flops(config_json: str, height: int, width: int, context_length: int) -> float:
-    with torch.device("meta"):
-        transformer = FluxTransformer2DModel.from_config(json.loads(config_json))
-    return flux_step_flops(transformer, height, width, context_length)
 
 
 @functools.cache

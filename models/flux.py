@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from models.conditioners import PooledCLIPAndT5
-from models.flops import flux_training_flops
+from models.flop_count import flux_training_flops
 from models.latent_diffusion import LatentDiffusion, in_dtype
 from models.objectives import RectifiedFlow, forwarded
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from models.conditioners import CLIPsAndT5
-from models.flops import transformer_training_flops
+from models.flop_count import transformer_training_flops
 from models.latent_diffusion import LatentDiffusion, in_dtype
 
 # The flow's names that models/build.py and tests import from here, where they lived before.

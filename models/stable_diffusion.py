@@ -9,7 +9,7 @@ from diffusers import DDIMScheduler
 
 from compat.diffusers import rescale_noise_cfg
 from models.conditioners import CLIPText
-from models.flops import unet_training_flops
+from models.flop_count import unet_training_flops
 from models.latent_diffusion import LatentDiffusion, in_dtype  # noqa: F401 (in_dtype: imported from here)
 from models.objectives import DDPM, SAMPLERS, forwarded, seeded_draws  # noqa: F401 (SAMPLERS: imported from here)
 from models.tokenizer import tokenize

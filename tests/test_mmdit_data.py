@@ -19,9 +19,9 @@ from data.latent_dataset import LatentsDataset
 from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader
 from models import build_model
 from models.presets import PRESETS, size_multiple
+from models.tokenizer import build_t5_tokenizer
 from recipes.prepare import PREPARERS, prepare_random_latents, prepare_sd3_latents
 from tests.convert_fixtures import read_mds, run_cli
-from tests.test_mmdit import _tiny_t5_tokenizer
 
 RESOLUTION = 32  # the shapes' size; mmdit-tiny's 8 x 8 latents
 SAMPLES = 16  # of the 64 shapes, compared one by one
@@ -153,7 +153,7 @@ def _sd3_folder(folder) -> None:
     from transformers import T5Config, T5EncoderModel
 
     model = tiny_model()
-    tokenizer_3 = _tiny_t5_tokenizer()
+    tokenizer_3 = build_t5_tokenizer()
     torch.manual_seed(4)
     config = dict(PRESETS["mmdit-tiny"]["text_encoder_3"], vocab_size=len(tokenizer_3))
     StableDiffusion3Pipeline(

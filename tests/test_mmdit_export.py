@@ -347,9 +347,9 @@ def _tiny_t5():
     from transformers import T5Config, T5EncoderModel
 
     from models.presets import PRESETS
-    from tests.test_mmdit import _tiny_t5_tokenizer
+    from models.tokenizer import build_t5_tokenizer
 
-    tokenizer = _tiny_t5_tokenizer()
+    tokenizer = build_t5_tokenizer()
     torch.manual_seed(4)
     config = dict(PRESETS["mmdit-tiny"]["text_encoder_3"], vocab_size=len(tokenizer))
     return T5EncoderModel(T5Config(**config)).eval(), tokenizer
