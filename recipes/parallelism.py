@@ -86,7 +86,7 @@ def resolve(
     if shard * replicate != world_size:
         raise ValueError(
             f"{where} x parallelism.replicate={replicate} is {shard * replicate} GPUs, but the run has "
-            f"{world_size} processes; shard x replicate must be the world size"
+            f"{world_size} process{'es' if world_size > 1 else ''}; shard x replicate must be the world size"
         )
     if local_world_size % shard:
         raise ValueError(

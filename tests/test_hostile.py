@@ -161,6 +161,10 @@ CASES = [
     ("mmdit weighting", {"@": MMDIT, "model.loss_weighting": "snr"}, "model.loss_weighting='snr'; choose"),
     ("mmdit patch size", {"@": MMDIT, "data.train.resolution": "36"}, "'data.train.resolution' is 36, not a"),
     ("mmdit lora", {"@": MMDIT, "+model.lora": "{rank: 4}"}, "model.lora trains UNet presets only"),
+    # Sharding (recipes/parallelism.py), on one process
+    ("shard typo", {"@": MMDIT, "parallelism.shard": "nodes"}, "parallelism.shard must be a positive number"),
+    ("shard over 2 of 1", {"@": MMDIT, "parallelism.shard": "2"}, "parallelism.shard=2 does not divide the"),
+    ("2 copies on 1", {"@": MMDIT, "parallelism.replicate": "2"}, "parallelism.shard=1 x parallelism.rep"),
     # Data
     ("typo in the data folder", {"data.train.local": "shapez"}, "data.train.local=shapez does not exist"),
     (
