@@ -1,4 +1,4 @@
-"""Flux.1 (Black Forest Labs): the ComposerModel of the "flux" presets (models/presets.py), a
+"""Flux.1 (Black Forest Labs): the ComposerModel of the "flux" presets (models/presets_flux.py), a
 rectified-flow transformer trained as MLPerf Training's Flux.1 benchmark trains it.
 
 Built from diffusers' components under their names in a FluxPipeline folder, so that an export loads

@@ -1,5 +1,5 @@
 """A rectified-flow MMDiT, SD3-style (Esser et al. 2024, "Scaling Rectified Flow Transformers for
-High-Resolution Image Synthesis"): the ComposerModel of the "mmdit" presets (models/presets.py).
+High-Resolution Image Synthesis"): the ComposerModel of the "mmdit" presets (models/presets_sd3.py).
 
 Built from diffusers' components under their names in a StableDiffusion3Pipeline folder, so that an
 export loads there: `transformer` (SD3Transformer2DModel, the part that trains), `vae` (an AutoencoderKL
