@@ -9,9 +9,11 @@ from pathlib import Path
 from tests.resume_check import train_command
 
 RECIPE = "tiny-mmdit-cpu"
+# 6 batches of 16 of the 64 shapes: epoch 1 and half of epoch 2 (kills land mid- and across epochs).
+BATCHES = 6
 # A microbatch cap of 8: one microbatch of a rank's 8 samples on 2 processes, 2 of 8 on one (an
 # elastic restart re-derives it), one of 4 on 4.
-COMMON = ["trainer.device_train_microbatch_size=8"]
+COMMON = ["trainer.device_train_microbatch_size=8", f"trainer.max_duration={BATCHES}ba"]
 SHAPES = {  # name -> (processes, overrides)
     "shard-2": (2, ["parallelism.shard=2"]),
     "hsdp-2x2": (4, ["parallelism.shard=2", "parallelism.replicate=2"]),

@@ -27,7 +27,8 @@ def model() -> torch.nn.Module:
     torch.manual_seed(0)  # the same weights on every rank and in every copy
     # 70 rows do not split evenly over 4 shards: FSDP2 pads, and the padding must not leak.
     block = torch.nn.Sequential(torch.nn.Linear(WIDTH, 70), torch.nn.GELU(), torch.nn.Linear(70, WIDTH))
-    return torch.nn.Sequential(block, torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH)), torch.nn.Linear(WIDTH, 3))
+    second = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH))
+    return torch.nn.Sequential(block, second, torch.nn.Linear(WIDTH, 3))
 
 
 def sharded(mesh) -> torch.nn.Module:

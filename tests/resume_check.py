@@ -99,11 +99,11 @@ def run_and_kill_at(cmd: list[str], cwd, env, loss_log: Path, batch: int, delay:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def assert_same_run(reference: Path, resumed: Path, why: str) -> None:
+def assert_same_run(reference: Path, resumed: Path, why: str, batches: int = BATCHES) -> None:
     """The resumed run logged the reference's losses for every batch and ended with its exact UNet
     and EMA weights."""
     assert read_loss_log(resumed / "loss.jsonl") == read_loss_log(reference / "loss.jsonl"), why
-    assert sorted(read_loss_log(reference / "loss.jsonl")) == list(range(1, BATCHES + 1))
+    assert sorted(read_loss_log(reference / "loss.jsonl")) == list(range(1, batches + 1))
     for name in ("unet-rank0.pt", "ema-rank0.pt"):
         want, got = torch.load(reference / name), torch.load(resumed / name)
         assert want.keys() == got.keys()

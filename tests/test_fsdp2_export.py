@@ -16,7 +16,7 @@ from models import build_model, export, generate
 from models.checkpoint_file import CheckpointError, check_checkpoint_file
 from models.export import load_model_from_checkpoint
 from recipes.load_check import load_path_problem
-from tests.resume_check import BATCHES
+from tests.fsdp2_runs import BATCHES
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ import re
 import pytest
 
 from extensions.callbacks import read_loss_log
-from tests.fsdp2_runs import mmdit_command
-from tests.resume_check import BATCHES, assert_same_run, run, run_and_kill_at, train_env
+from tests.fsdp2_runs import BATCHES, mmdit_command
+from tests.resume_check import assert_same_run, run, run_and_kill_at, train_env
 from tests.s3_server import BUCKET, s3_server  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -55,4 +55,4 @@ def test_killed_sharded_run_resumes_from_the_bucket(s3_server, mmdit_reference, 
     assert logged >= kill_at
     assert list(workdir.iterdir()) == [], "written outside the configured folders"
     assert _complete_batches(s3_server, prefix)[-1] == BATCHES
-    assert_same_run(mmdit_reference("shard-2"), tmp_path, why)
+    assert_same_run(mmdit_reference("shard-2"), tmp_path, why, BATCHES)
