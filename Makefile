@@ -56,7 +56,8 @@ test-fast: install
 # In runs because a device call is capped at 10 minutes: `make gpu-check` (run 1: 256 px, the compiled
 # step against the eager one and a plain loop), PART=2 (train/save/resume bitwise/export), PART=3 (512 px),
 # PART=4-7 (each part).
-# `make gpu-check PRESET=sdxl-base` (or sd3-medium) measures that recipe's throughput instead.
+# `make gpu-check PRESET=sdxl-base` (or sd3-medium) measures that recipe's throughput instead;
+# PRESET=flux-schnell times Flux at reduced depth and extrapolates per block (bench/depth_extrapolation.py).
 # On a lent GPU machine (no network, no make install): bench/gpu_session.sh (docs/benchmarks.md, GPU figures).
 PRESET ?= sd2-base
 PART   ?= 1

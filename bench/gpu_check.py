@@ -4,6 +4,7 @@ one device call of at most 10 minutes (a GPU machine is lent rarely, for 15 minu
     python bench/gpu_check.py [--run 1..7] [--budget 520] [--out runs/gpu-check]
     python bench/gpu_check.py [--parts throughput e2e ema] [--variants TEXT ...] [--resolutions 256 512]
                               [--quick] [--deterministic] [--preset sd2-base|sdxl-base|sd3-medium]
+    python bench/gpu_check.py --preset flux-schnell    # `make gpu-check PRESET=flux-schnell`, ~2 min
 
 RUNS (bench/gpu_runs.py; `make gpu-check` is run 1, `make gpu-check PART=2` run 2, ...), each job in
 its own process (a `composer -n GPUS` per variant), in order, cheapest and most certain first, with its
@@ -47,6 +48,10 @@ OUT/throughput-256.json / -512.json, which `recipes.plan --throughput-file` read
 holds a faster one of the same recipe on the same device (an earlier run's: runs 1 and 4-7 all time
 256 px).
 plain: bench/plain_loop.py (the recipe's model in a bare PyTorch loop on 1 GPU: the ceiling).
+depth (`--preset flux-schnell`, its only job): bench/depth_extrapolation.py, the 11.9 B transformer at
+full width and reduced depth on one GPU (FLUX_DEPTHS), extrapolated per block to the full model's step
+time, img/s and MFU (against torchtitan's 26.1%), and its unsharded peak memory; its record in
+OUT/depth-flux-schnell-256px.json, and as the best, OUT/throughput-flux-schnell-256.json for recipes.plan.
 e2e: bench/gpu_e2e.py (train, save, resume, export, generate; bitwise with --deterministic).
 ema: the EMA's storage variants (fp32 on the GPU, bf16, CPU offload) give the same average.
 --variants, --parts, --resolutions or --quick, and the other presets (`--preset sdxl-base`: its
@@ -67,6 +72,7 @@ START = time.monotonic()  # --budget counts from here: before torch's import, CU
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # not bench/: its convert.py would shadow the convert package
 
+from bench.depth_extrapolation import depth_row  # noqa: E402
 from bench.gpu_e2e import DATA  # noqa: E402 (after the path fix)
 from bench.gpu_runs import (  # noqa: E402
     BASE,
@@ -133,8 +139,17 @@ SD3_VARIANTS = {
     "2x microbatch": ["MICROBATCH_X2"],
     "compile": ["model.compile_unet=true"],
 }
+# Flux at full width and reduced depth (bench/depth_extrapolation.py: why, and why the extrapolation
+# per block is fair): the depths timed, 1 or 3 double-stream and 2 or 6 single-stream blocks (the
+# first three fix the line, the fourth checks it); the largest, 1.9 B parameters with AdamW's fp32 state
+# (~30 GB) and its activations at microbatch 16, fits an 80 GB H100 (estimated, not yet measured).
+FLUX_DEPTHS = [
+    {"num_layers": double, "num_single_layers": single} for double, single in ((1, 2), (3, 2), (1, 6), (3, 6))
+]
+DEPTH_JOB = "full depth, extrapolated per block (peak GB: the full model's, unsharded)"
 # What `--preset` measures: its recipe, random latents (recipes/prepare.py), microbatch per
-# resolution, variants and anchors (img/s per GPU and where the number comes from; none public for SDXL).
+# resolution, variants and anchors (img/s per GPU and where the number comes from; none public for SDXL);
+# or, with `depth`, the depth job alone at each resolution (no recipe: bench/depth_extrapolation.py).
 TARGETS = {
     "sd2-base": dict(recipe="yamls/sd2-base.yaml", data="sd2-latents", microbatch=MICROBATCH,
                      variants=VARIANTS, anchors=ANCHORS),
@@ -142,6 +157,11 @@ TARGETS = {
                       variants=SDXL_VARIANTS, anchors={}),
     "sd3-medium": dict(recipe="yamls/sd3-medium.yaml", data="sd3-latents", microbatch={256: 32, 512: 8},
                        variants=SD3_VARIANTS, anchors={}),
+    # MLPerf's 256 px; 16 a GPU: the global batch of 512 (MLPerf's smallest) on 32 GPUs. Its anchor
+    # is an MFU, printed beside the row: torchtitan's 26.1% for Flux-dev on GB200 (issue 40).
+    "flux-schnell": dict(microbatch={256: 16}, variants={}, anchors={},
+                         depth=dict(preset="flux-schnell", depths=FLUX_DEPTHS, device="cuda"),
+                         mfu_anchor=(0.261, "torchtitan's Flux-dev on GB200")),
 }  # fmt: skip
 
 
@@ -256,8 +276,9 @@ def main(argv: list[str] | None = None, start: float | None = None) -> int:
     )
     parser.add_argument(
         "--preset", choices=sorted(TARGETS), default="sd2-base",
-        help="the recipe measured: sd2-base (all parts), sdxl-base (throughput at 512 and 1024 px) or "
-        "sd3-medium (throughput at 256 and 512 px)",
+        help="the recipe measured: sd2-base (all parts), sdxl-base (throughput at 512 and 1024 px), "
+        "sd3-medium (throughput at 256 and 512 px) or flux-schnell (full width, reduced depth, "
+        "extrapolated per block, at 256 px)",
     )  # fmt: skip
     parser.add_argument(
         "--resolutions", nargs="+", type=int, choices=(256, 512, 1024),
@@ -276,7 +297,10 @@ def main(argv: list[str] | None = None, start: float | None = None) -> int:
     sizes = sorted(target["microbatch"])
     if not set(args.resolutions or sizes) <= set(sizes):
         parser.error(f"--preset {args.preset} measures at {sizes} px, not {args.resolutions}")
-    if chosen:
+    if "depth" in target:
+        jobs = [("depth", DEPTH_JOB, px) for px in sorted(args.resolutions or sizes)]
+        stem = f"gpu-check-{args.preset}"
+    elif chosen:
         parts = args.parts or ["throughput", "e2e", "ema"]
         parts = parts if args.preset == "sd2-base" else [p for p in parts if p == "throughput"]
         jobs = custom_jobs(args.preset, target, args.quick, args.variants, args.resolutions or sizes, parts)
@@ -287,7 +311,7 @@ def main(argv: list[str] | None = None, start: float | None = None) -> int:
     args.batches, args.start = (10 if args.quick else 20), start
     n = gpus()
     args.out.mkdir(parents=True, exist_ok=True)
-    measure = {"throughput": throughput, "plain": plain_row}  # the rows run_jobs asks for
+    measure = {"throughput": throughput, "plain": plain_row, "depth": depth_row}  # the rows run_jobs asks for
     return run_and_report(jobs, n, args, stem, target, measure)
 
 

@@ -8,7 +8,8 @@ its estimate or the budget's end (composer, run_group); run 3's 512 px variant i
 (best_variant); the fastest variant per size goes to OUT/throughput[-PRESET]-PX.json, unless an
 earlier run's there is faster (write_best); after every job OUT/STEM.md (the table) and .json are
 rewritten. gpu_check hands in the variants' overrides (`target`: its TARGETS entry for the preset) and
-rows (`measure`: its throughput, bench/plain_loop.py's ceiling); the checks are bench/gpu_e2e.py's."""
+rows (`measure`: its throughput, bench/plain_loop.py's ceiling, bench/depth_extrapolation.py's depth
+job for a preset too large for one GPU); the checks are bench/gpu_e2e.py's."""
 
 import contextlib
 import json
@@ -49,6 +50,10 @@ RUNS = {
 # recipe's step added 113-124 s; the plain loop 21 s. e2e: 330 s measured eager on 2026-11-24, plus a
 # cold compile in run A and a warm one (inductor's cache, same shapes) in run B, a guess of 60 s.
 ESTIMATE_S = {256: 90, 512: 90, 1024: 150, "compile": 125, "plain": 30, "e2e": 330 + 125 + 60, "ema": 45}
+# The depth job (bench/depth_extrapolation.py, flux-schnell): a guess, not measured: ~20 s of imports,
+# ~15 s counting the full model's FLOPs on the meta device, 4 depths of ~15 s (building up to 1.9 B
+# parameters on the GPU, 23 steps of up to ~0.3 s).
+ESTIMATE_S["depth"] = 120
 # Of a 600 s device call, which also installs the carried wheels (3 s on 2026-11-26), runs the preflight
 # (16-26 s) and packs the results.
 BUDGET_S = 520
@@ -120,6 +125,10 @@ def run_and_report(jobs: list[tuple], n: int, args, stem: str, target: dict, mea
         print(f"FAILED: {problem}")
     for line in report["best"].values():
         print(f"for recipes.plan: {line}")
+    anchor = target.get("mfu_anchor")  # an MFU measured elsewhere: (fraction, where)
+    for row in (r for r in report["rows"] if anchor and r["ok"]):
+        versus = f"{row['mfu'] / anchor[0]:.2f}x {anchor[1]}'s {anchor[0]:.1%}"
+        print(f"MFU {row['mfu']:.1%} at {row['resolution']} px: {versus}")
     print(f"results: {args.out / stem}.md and .json, profiles: {args.out}/profile-*.json")
     return 1 if problems else 0
 
@@ -146,9 +155,12 @@ def run_jobs(
             save()
             continue
         limit, began = min(left, 2 * need), time.monotonic()
-        if kind == "throughput":
-            overrides = variants[name]
-            row = measure["throughput"](n, out, resolution, name, overrides, args.batches, args.preset, limit)
+        if kind in ("throughput", "depth"):
+            if kind == "throughput":
+                tried = (n, out, resolution, name, variants[name], args.batches, args.preset, limit)
+                row = measure["throughput"](*tried)
+            else:  # one GPU, whatever n: the model at reduced depth, extrapolated
+                row = measure["depth"](out, resolution, name, args.batches, target, limit)
             report["rows"].append(row)
             report["best"] = write_best(report["rows"], out, args.preset, target)
             print(f"measured: {row}", flush=True)  # a run cut short still shows what it measured

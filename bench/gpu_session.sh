@@ -4,14 +4,16 @@
 # the device tool's command, with carry [".whl"] and timeout_s 600:
 #
 #     bash bench/gpu_session.sh [RUN]      # RUN: one of bench/gpu_runs.py RUNS, 1 by default
+#     bash bench/gpu_session.sh flux-schnell   # or a preset: `gpu_check.py --preset PRESET` (~2 min)
 #
 # 1. installs .whl/*.whl into /tmp/site (--no-deps, beside the machine's own torch), PYTHONPATH=/tmp/site:REPO;
 # 2. a preflight (~10 s): our stack imports from /tmp/site, CUDA is there, versions; stops here if not;
-# 3. python3 bench/gpu_check.py --run RUN --out /tmp/gpu-check --budget 520 (its data and checkpoints
-#    stay in /tmp/gpu-check; 520 s leaves the 600 s call room for steps 1, 2 and 4: 3 s, 16-26 s and a
-#    few s on 2026-11-26);
+# 3. python3 bench/gpu_check.py --run RUN (or --preset PRESET) --out /tmp/gpu-check --budget 520 (its data
+#    and checkpoints stay in /tmp/gpu-check; 520 s leaves the 600 s call room for steps 1, 2 and 4: 3 s,
+#    16-26 s and a few s on 2026-11-26);
 # 4. packs the results (tables, json, profiles, logs, the e2e image; no data, no checkpoints) into
-#    $OUT/gpu-check-runRUN.tgz, and copies the table to $OUT/gpu-check-runRUN.md. This also happens when
+#    $OUT/STEM.tgz, and copies the table to $OUT/STEM.md (STEM: gpu-check-runRUN, or gpu-check-PRESET:
+#    gpu_check's names). This also happens when
 #    gpu_check fails or the call is stopped (SIGTERM), and every 60 s meanwhile, so a call killed
 #    outright still returns what was packed last.
 # A later run that times run 1's best variant at 512 px reads /tmp/gpu-check/gpu-check-run1.json: on a
@@ -23,6 +25,11 @@
 set -u -o pipefail
 
 RUN=${1:-1}
+if [[ "$RUN" =~ ^[0-9]+$ ]]; then
+  CHECK=(--run "$RUN") STEM=gpu-check-run$RUN
+else # a preset (bench/gpu_check.py TARGETS)
+  CHECK=(--preset "$RUN") STEM=gpu-check-$RUN
+fi
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
 PY=${PY:-python3}
@@ -33,7 +40,7 @@ BUDGET=${GPU_CHECK_BUDGET:-520}
 : "${OUT:?OUT is unset: run this as the device tool command (it sets OUT), or set OUT=a folder}"
 mkdir -p "$RESULTS" "$OUT" || exit 2
 LOG=$RESULTS/session-run$RUN.log
-TGZ=$OUT/gpu-check-run$RUN.tgz
+TGZ=$OUT/$STEM.tgz
 
 # What `make gpu-check` exports (Makefile), and unbuffered output for the tool's output_tail.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=${WANDB_MODE:-offline}
@@ -46,7 +53,7 @@ pack() { # the results, not the data (latents*/) or checkpoints (*.pt, pipeline/
   (cd "$RESULTS" && find . -maxdepth 2 -type f -size -8M ! -path './latents*' ! -path './pipeline/*' \
     \( -name '*.md' -o -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name '*.png' \) -print0 |
     tar -czf "$TGZ.part" --null -T -) && mv -f "$TGZ.part" "$TGZ"
-  if [ -f "$RESULTS/gpu-check-run$RUN.md" ]; then cp -f "$RESULTS/gpu-check-run$RUN.md" "$OUT/"; fi
+  if [ -f "$RESULTS/$STEM.md" ]; then cp -f "$RESULTS/$STEM.md" "$OUT/"; fi
 }
 
 child="" packer=""
@@ -170,7 +177,7 @@ if [ $preflight -ne 0 ]; then
 fi
 
 seed=$REPO/runs/gpu-check/gpu-check-run1.json
-if [ "$RUN" != 1 ] && [ ! -e "$RESULTS/gpu-check-run1.json" ] && [ -f "$seed" ]; then
+if [ "${CHECK[0]}" = --run ] && [ "$RUN" != 1 ] && [ ! -e "$RESULTS/gpu-check-run1.json" ] && [ -f "$seed" ]; then
   cp "$seed" "$RESULTS/" && echo "gpu_session: run 1's results from $seed (for its best variant at 512 px)"
 fi
 (
@@ -184,6 +191,6 @@ fi
 ) >/dev/null 2>&1 &
 packer=$!
 
-"$PY" bench/gpu_check.py --run "$RUN" --out "$RESULTS" --budget "$BUDGET" &
+"$PY" bench/gpu_check.py "${CHECK[@]}" --out "$RESULTS" --budget "$BUDGET" &
 child=$!
 wait "$child"

@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 
 from convert.common import ConvertError
+from data.latent_dataset import EMPTY_CAPTION
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +129,9 @@ def _found(store, entries: list[str]) -> dict | None:
 
 def remove_conversion(store, found: dict, entries: list[str]) -> None:
     """Delete what the conversion `found` wrote to the store: its inputs' sub-datasets (in every
-    bucket), markers, indexes, report and record; other files stay. The record goes last, so an
-    --overwrite killed midway is finished by the next one."""
+    bucket), markers, indexes, the empty caption's encodings (`sd-convert latents`), report and
+    record; other files stay. The record goes last, so an --overwrite killed midway is finished by the
+    next one."""
     names = set(found.get("inputs", ())) | set(store.list_names(MARKERS, ".json"))
     for entry in entries:
         if entry in names:
@@ -144,7 +146,7 @@ def remove_conversion(store, found: dict, entries: list[str]) -> None:
             if not _visible(store, entry):
                 store.clear(entry)
     store.clear(MARKERS)
-    for rel in (INDEX, REPORT, RECORD):
+    for rel in (INDEX, EMPTY_CAPTION, REPORT, RECORD):
         store.remove(rel)
 
 

@@ -12,7 +12,8 @@ own `encode_clip` and `encode_t5`: `text_embeds` (77, 768 + 1280 for sd3-medium)
 unpadded, `pooled_text_embeds` (2048,) both pooled vectors, and, when the `--pretrained` folder has a
 T5 (`text_encoder_3/` and `tokenizer_3/`), `text_embeds_3` (t5_tokens, 4096) fp16; its `latents_{R}`
 are the 16-channel VAE's moments, unscaled and unshifted (the model applies latent_shift and
-latent_scale).
+latent_scale). Once per output, the empty caption's encodings go beside index.json, for caption
+dropout without the text encoders (convert/empty_caption.py).
 
 Runs on convert.pipeline like the image converters: one input per input of the source, read from
 its index.json (`<src>/[<bucket>/]NAME/`, or each shard of a flat set), written to the same place
@@ -39,6 +40,7 @@ import torch
 from PIL import Image
 
 import models.family as families
+from convert import empty_caption
 from convert.common import Part, Skipped
 from convert.encoders import (
     Encoders,
@@ -272,6 +274,7 @@ class Encoder:
 
     def __call__(self, part: Part, job, writer, progress=None) -> tuple[Counter, Counter]:
         model, device = self.load()
+        empty_caption.ensure(job.store, job.digest, model, device)  # before any of this input's rows
         # a GPU outruns one core's JPEG decoding: decode in threads (PIL lets go of the GIL)
         threads = (
             min(8, max(1, (os.cpu_count() or 1) // self.process_index()[1])) if device.type == "cuda" else 1
@@ -320,6 +323,7 @@ def convert_latents(
     `recipe` (convert.encoders.recipe_model): encode with the model that run config builds instead,
     its preset, model.pretrained and T5 taking the place of `preset`, `pretrained` and `t5`."""
     from convert.pipeline import convert
+    from convert.storage import open_store
 
     if recipe is not None:
         preset, pretrained, t5 = recipe_settings(recipe)
@@ -332,8 +336,12 @@ def convert_latents(
     resolutions = tuple(resolutions)
     options = LatentsOptions(resolutions, preset, pretrained, buckets, recipe=recipe)
     encoder = Encoder(preset, pretrained, resolutions, batch_size, device, workers, t5, recipe)
-    return convert(
-        parts, out, options, preset_columns(preset, list(resolutions), t5), source="latents", src=str(src),
-        workers=workers,
+    cols = preset_columns(preset, list(resolutions), t5)
+    empty_caption.forget()  # a new run: each process checks the output once more
+    report = convert(
+        parts, out, options, cols, source="latents", src=str(src), workers=workers,
         work_dir=work_dir, progress=progress, overwrite=overwrite, write_rows=encoder, group=group,
     )  # fmt: skip
+    if group is None or group.rank == 0:
+        empty_caption.ensure_at_end(open_store(out), options.digest(cols), report, encoder.load)
+    return report

@@ -113,6 +113,12 @@ class LocalStore:
         except FileNotFoundError:
             return None
 
+    def read_bytes(self, rel: str) -> bytes | None:
+        try:
+            return (self.root / rel).read_bytes()
+        except FileNotFoundError:
+            return None
+
     def write_bytes(self, rel: str, data: bytes) -> None:
         atomic_write_bytes(self.root / rel, data)  # a reader sees the old file or the new one
 
@@ -245,13 +251,16 @@ class S3Store:
             raise self._fail(err, "uploading", rel) from None
 
     def read_json(self, rel: str):
+        body = self.read_bytes(rel)
+        return None if body is None else json.loads(body)
+
+    def read_bytes(self, rel: str) -> bytes | None:
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self.key(rel))["Body"].read()
+            return self.client.get_object(Bucket=self.bucket, Key=self.key(rel))["Body"].read()
         except Exception as err:
             if getattr(err, "response", {}).get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
             raise self._fail(err, "reading", rel) from None
-        return json.loads(body)
 
     def list_names(self, rel_dir: str, suffix: str) -> list[str]:
         try:

@@ -11,11 +11,30 @@ sample carries as `crop_top_left`. An mmdit preset's rows (models/mmdit.py) hold
 (77, 768 + 1280 for sd3-medium: both CLIPs' context, unpadded), `pooled_text_embeds` (2048,) and,
 when converted with a T5, `text_embeds_3` (t5_tokens, 4096), all fp16. A set without a column (an SD
 preset's) gives samples without its key.
+
+Beside the shards, `sd-convert latents` writes the empty caption's stored form once per set
+(EMPTY_CAPTION: the same tensors for "", unrounded fp32, as the MLPerf Flux.1 reference keeps
+t5_empty.npy and clip_empty.npy beside its preprocessed set), which caption dropout uses
+(`read_empty_caption`; recipes/trainer.py hands it to the model once), so a run on precomputed
+encodings needs no text encoder. A set converted before it was written has none: the model encodes "".
 """
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
 
 import torch
 
 from data.streaming_base import StreamingBase
+from data.streams import _configured, read_index
+
+log = logging.getLogger(__name__)
+
+EMPTY_CAPTION = "empty_caption.safetensors"
+# The stored form's columns (models/conditioners.py), which the empty caption's file holds too.
+TEXT_COLUMNS = ("text_embeds", "pooled_text_embeds", "text_embeds_3")
 
 
 def latents_column(resolution: int) -> str:
@@ -53,3 +72,78 @@ class LatentsDataset(StreamingBase):
         if self.crop_column in sample:
             out["crop_top_left"] = torch.tensor(sample[self.crop_column], dtype=torch.int64)
         return out
+
+
+def load_empty_caption(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of an EMPTY_CAPTION file's bytes (safetensors: an 8-byte header length, then
+    the JSON header, whose `__metadata__` holds the conversion's digest)."""
+    from safetensors.torch import load
+
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    return load(data), header.get("__metadata__") or {}
+
+
+def _missing(err: Exception) -> bool:
+    """Whether reading a set's file failed because it is not there: no local file, or S3's 404 (or 403:
+    without the ListBucket right S3 answers 403 for a missing key, and the set's index.json, from the
+    same place, was read already)."""
+    code = getattr(err, "response", {}).get("Error", {}).get("Code")
+    return isinstance(err, FileNotFoundError) or code in ("404", "NoSuchKey", "403")
+
+
+def read_set_file(remote: str | None, local: str | None, name: str, timeout: float = 60) -> bytes | None:
+    """A set's top-level file `name`: `local`'s if it has one, else downloaded from `remote` (as
+    data/streams.read_index reads index.json); None when neither has it."""
+    from compat.streaming import CloudDownloader
+
+    if local is not None and Path(local, name).is_file():
+        return Path(local, name).read_bytes()
+    if remote is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, name)
+        try:
+            CloudDownloader.direct_download(os.path.join(remote, name), path, timeout)
+        except Exception as err:
+            if _missing(err):
+                return None
+            raise
+        return Path(path).read_bytes()
+
+
+def read_empty_caption(cfg) -> dict[str, torch.Tensor] | None:
+    """The empty caption's stored form of the precomputed set(s) `cfg` (data.train) names, from their
+    EMPTY_CAPTION files; None when none has one (sets converted before it was written: the model
+    encodes "" itself, as before). Sets that hold different ones were encoded with different text
+    encoders: a ValueError, as is a file whose tensors are not the set's text columns."""
+    found, without = {}, []
+    for name, stream in _configured(cfg).items():
+        remote, local = stream.get("remote"), stream.get("local")
+        data = read_set_file(remote, local, EMPTY_CAPTION, cfg.download_timeout or 60)
+        if data is None:
+            without.append(name)
+            continue
+        tensors, _ = load_empty_caption(data)
+        index = read_index(remote, local, cfg.download_timeout or 60)
+        columns = {c for shard in index.get("shards", []) for c in shard.get("column_names", [])}
+        if set(tensors) != columns & set(TEXT_COLUMNS):
+            raise ValueError(
+                f"{remote or local}/{EMPTY_CAPTION} holds {sorted(tensors)}, not the set's text columns "
+                f"{sorted(columns & set(TEXT_COLUMNS))}: reconvert the set with `sd-convert latents`"
+            )
+        found[name] = tensors
+    if not found:
+        return None
+    (first, empty), *others = found.items()
+    for name, tensors in others:
+        if tensors.keys() != empty.keys() or not all(torch.equal(v, empty[k]) for k, v in tensors.items()):
+            raise ValueError(
+                f"streams {first} and {name} hold different empty captions ({EMPTY_CAPTION}): they were "
+                "encoded with different text encoders; convert them with the same ones"
+            )
+    if without:
+        log.warning(
+            "%s: no %s (converted before it was written); caption dropout uses %s's for every set",
+            ", ".join(without), EMPTY_CAPTION, first,
+        )  # fmt: skip
+    return empty

@@ -41,6 +41,11 @@ class CLIPText:
         """Token ids of `captions` under the columns the data loader produces (data/image_caption.py)."""
         return {"input_ids": tokenize(parts.tokenizer, captions)}
 
+    def id_lengths(self, parts) -> dict[str, int]:
+        """`ids`' columns and their lengths in tokens, without a tokenizer: what `encode` reads (for
+        meta-device shapes and FLOPs: models/stored_form.py)."""
+        return {"input_ids": MAX_LENGTH}
+
     @torch.no_grad()
     def encode(self, parts, ids) -> dict[str, torch.Tensor]:
         """The stored form of token ids (`ids`: a batch or `self.ids(...)`, on the encoders' device)."""
@@ -63,6 +68,9 @@ class TwoCLIPs(CLIPText):
 
     def ids(self, parts, captions: list[str]) -> dict[str, torch.Tensor]:
         return {**super().ids(parts, captions), "input_ids_2": tokenize(parts.tokenizer_2, captions)}
+
+    def id_lengths(self, parts) -> dict[str, int]:
+        return {**super().id_lengths(parts), "input_ids_2": MAX_LENGTH}
 
     @torch.no_grad()
     def hidden(self, parts, ids) -> tuple[torch.Tensor, object, object]:
@@ -92,6 +100,12 @@ class CLIPsAndT5(TwoCLIPs):
         if parts.text_encoder_3 is not None:
             ids["input_ids_3"] = tokenize_t5(parts.tokenizer_3, captions, parts.t5_tokens)
         return ids
+
+    def id_lengths(self, parts) -> dict[str, int]:
+        lengths = super().id_lengths(parts)
+        if parts.text_encoder_3 is not None:
+            lengths["input_ids_3"] = parts.t5_tokens
+        return lengths
 
     @torch.no_grad()
     def encode(self, parts, ids) -> dict[str, torch.Tensor]:
@@ -132,6 +146,9 @@ class PooledCLIPAndT5(CLIPText):
             **super().ids(parts, captions),
             T5_IDS: tokenize_t5(parts.tokenizer_2, captions, parts.t5_tokens),
         }
+
+    def id_lengths(self, parts) -> dict[str, int]:
+        return {**super().id_lengths(parts), T5_IDS: parts.t5_tokens}
 
     @torch.no_grad()
     def encode(self, parts, ids) -> dict[str, torch.Tensor]:

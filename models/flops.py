@@ -29,6 +29,7 @@ from models.flop_count import (  # noqa: F401 (the counters: imported from here 
     unet_training_flops,
 )
 from models.presets import PRESETS, denoiser_factor, denoiser_name, vae_factor
+from models.stored_form import meta_ids, meta_parts
 
 log = logging.getLogger(__name__)
 
@@ -80,21 +81,21 @@ def training_flops_per_image(preset: str, resolution: int) -> float:
 
 @functools.cache
 def frozen_flops_per_image(preset: str, resolution: int) -> float:
-    """FLOPs of the frozen forwards a training step also runs: VAE encoder + text encoder(s) (SDXL's
-    and SD3's second CLIP too; not SD3's optional T5, off by default)."""
+    """FLOPs of the frozen forwards a training step on images also runs: the VAE encoder and the
+    family's conditioner over each caption, as the model calls it (models/stored_form.py: every text
+    encoder the preset builds, each at the length it reads: CLIP's 77 tokens, the preset's
+    `t5_tokens` for a T5; not SD3's optional T5, which a preset without `bundled_t5` leaves off)."""
     latent_size(preset, resolution)  # the same checks
-    components = _meta_components(preset)
-    vae = components["vae"]
-    encoders = [components[name] for name in ("text_encoder", "text_encoder_2") if name in components]
+    parts = meta_parts(preset)
+    conditioner = of(preset).conditioner
+    ids = meta_ids(parts, conditioner, _BATCH)
     with torch.device("meta"):
-        images = torch.randn(_BATCH, vae.config.in_channels, resolution, resolution)
-        input_ids = torch.zeros(_BATCH, CONTEXT_LENGTH, dtype=torch.long)
+        images = torch.randn(_BATCH, parts.vae.config.in_channels, resolution, resolution)
 
     def forward():
         with torch.no_grad():
-            vae.encode(images).latent_dist.sample()
-            for text_encoder in encoders:
-                text_encoder(input_ids)
+            parts.vae.encode(images).latent_dist.sample()
+            conditioner.encode(parts, ids)
 
     return _count(forward) / _BATCH
 

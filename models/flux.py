@@ -135,7 +135,6 @@ class Flux(LatentDiffusion):
         self.register_buffer("latent_scale", torch.tensor(float(latent_scale)))
         self.register_buffer("latent_shift", torch.tensor(float(latent_shift or 0.0)))
         self.t5_tokens = int(t5_tokens)
-        self._empty: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         # Sharding only the transformer: the frozen parts have no gradients or optimizer state.
         self.transformer._fsdp_wrap = True
         for frozen in (self.vae, self.text_encoder, self.text_encoder_2):
@@ -162,16 +161,14 @@ class Flux(LatentDiffusion):
         return stored["text_embeds"], stored["pooled_text_embeds"]
 
     def empty_condition(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The empty caption's (context, pooled), (1, ...) each, encoded once per device (and again after
-        load_state_dict): what a dropped caption becomes and the unconditional branch's condition."""
+        """The empty caption's (context, pooled), (1, ...) each, made once per device from
+        LatentDiffusion.empty_stored (encoded by T5 and CLIP, or the precomputed set's): what a
+        dropped caption becomes and the unconditional branch's condition."""
         device = torch.device(device)
         if device not in self._empty:
-            self._empty[device] = self.encode_captions([""], device)
+            stored = self.empty_stored(device)
+            self._empty[device] = (stored["text_embeds"], stored["pooled_text_embeds"])
         return self._empty[device]
-
-    def load_state_dict(self, *args, **kwargs):
-        self._empty.clear()  # the text encoders' weights may change
-        return super().load_state_dict(*args, **kwargs)
 
     def condition(self, batch, drop_captions: bool, image_size: tuple[int, int] | None = None) -> dict:
         """`encoder_hidden_states` and `pooled_projections` from token ids or stored embeddings, with

@@ -48,6 +48,10 @@ class LatentDiffusion(ComposerModel):
         self.objective = objective
         self.caption_drop_prob = caption_drop_prob
         self.val_mse = MeanSquaredError()
+        self._empty_caption: dict[str, torch.Tensor] | None = None  # set_empty_caption's, on the CPU
+        # The family's condition for the empty caption, per device (made from `empty_stored`); cleared
+        # when the text encoders' weights or the empty caption change.
+        self._empty: dict = {}
 
     def frozen_parts(self) -> list[torch.nn.Module]:
         return [m for m in (getattr(self, name, None) for name in self.frozen_names) if m is not None]
@@ -91,6 +95,40 @@ class LatentDiffusion(ComposerModel):
         if not self.training or self.caption_drop_prob == 0.0:
             return torch.zeros(n, dtype=torch.bool, device=device)
         return torch.rand(n, device=device) < self.caption_drop_prob
+
+    def set_empty_caption(self, stored: dict[str, torch.Tensor] | None) -> None:
+        """Take the empty caption's stored form from `stored` (what `sd-convert latents` wrote beside a
+        precomputed set: data/latent_dataset.read_empty_caption) instead of encoding "" with the
+        model's own text encoders, which a run on precomputed encodings otherwise loads for this alone
+        (T5-XXL for Flux), and which need not be the encoders the set was made with. The same tensors
+        as `encode` gives for "" (conditioner.encode, (1, ...) each, unrounded), so the loss is the
+        one the model encoding "" computes. None: encode it again."""
+        if stored is not None:
+            known = {"text_embeds", "pooled_text_embeds", "text_embeds_3"}  # models/conditioners.py
+            if not stored or set(stored) - known:
+                raise ValueError(
+                    f"an empty caption's stored form holds some of {sorted(known)}, not {sorted(stored)}"
+                )
+            bad = [name for name, value in stored.items() if value.dim() < 2 or value.shape[0] != 1]
+            if bad:
+                shape = tuple(stored[bad[0]].shape)
+                raise ValueError(f"the empty caption's {bad[0]} must be one caption's, (1, ...), not {shape}")
+            stored = {name: value.detach().cpu() for name, value in stored.items()}
+        self._empty_caption = stored
+        self._empty.clear()
+
+    def empty_stored(self, device) -> dict[str, torch.Tensor]:
+        """The empty caption "" in the stored form (models/conditioners.py: `text_embeds`, ...), (1, ...)
+        each, on `device`: the precomputed set's (`set_empty_caption`), else encoded by the model's own
+        text encoders. Each family turns it into its condition once per device (`self._empty`)."""
+        if self._empty_caption is not None:
+            return {name: value.to(device) for name, value in self._empty_caption.items()}
+        ids = {name: value.to(device) for name, value in self.conditioner.ids(self, [""]).items()}
+        return self.conditioner.encode(self, ids)
+
+    def load_state_dict(self, *args, **kwargs):
+        self._empty.clear()  # the text encoders' weights may change
+        return super().load_state_dict(*args, **kwargs)
 
     def caption_dropout(self, values: list[torch.Tensor], empty) -> list[torch.Tensor]:
         """`values` (a batch's condition tensors) with each sample's replaced, with probability

@@ -142,7 +142,6 @@ class RectifiedFlowTransformer(LatentDiffusion):
         self.register_buffer("latent_scale", torch.tensor(float(latent_scale)))
         self.register_buffer("latent_shift", torch.tensor(float(latent_shift or 0.0)))
         self.t5_tokens = int(t5_tokens)
-        self._empty: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         # Sharding only the transformer: the frozen parts have no gradients or optimizer state.
         self.transformer._fsdp_wrap = True
         for frozen in (self.vae, self.text_encoder, self.text_encoder_2, self.text_encoder_3):
@@ -210,16 +209,15 @@ class RectifiedFlowTransformer(LatentDiffusion):
 
     def empty_condition(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(context (1, L, W), pooled (1, P)) of the empty caption: what a dropped caption becomes and
-        the unconditional branch's condition. The encoders are frozen, so it is encoded once per
-        device (and again after load_state_dict)."""
+        the unconditional branch's condition. The encoders are frozen, so it is made once per device,
+        from LatentDiffusion.empty_stored (encoded, or the precomputed set's) as a batch's stored
+        columns are (`condition`)."""
         device = torch.device(device)
         if device not in self._empty:
-            self._empty[device] = self.encode_captions([""], device)
+            stored = self.empty_stored(device)
+            context = self.joint_context(stored["text_embeds"], stored.get("text_embeds_3"))
+            self._empty[device] = (context, stored["pooled_text_embeds"])
         return self._empty[device]
-
-    def load_state_dict(self, *args, **kwargs):
-        self._empty.clear()  # the text encoders' weights may change
-        return super().load_state_dict(*args, **kwargs)
 
     def condition(self, batch, drop_captions: bool, image_size: tuple[int, int] | None = None) -> dict:
         """The transformer's keyword arguments besides the noisy latents and timesteps:

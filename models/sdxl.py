@@ -51,7 +51,6 @@ class StableDiffusionXL(StableDiffusion):
         self.text_encoder_2._fsdp_wrap = False
         # The unconditional condition: zeros (SDXL base's pipeline), or the empty caption's embeddings.
         self.force_zeros_for_empty_prompt = bool(force_zeros_for_empty_prompt)
-        self._empty_pair: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -73,19 +72,17 @@ class StableDiffusionXL(StableDiffusion):
 
     def unconditional(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(context, pooled) of the unconditional branch for n samples: zeros, or with
-        force_zeros_for_empty_prompt false the empty caption's (encoded once per device)."""
-        device = torch.device(device)
-        if device not in self._empty_pair:
-            context, pooled = self.encode_captions([""], device)
+        force_zeros_for_empty_prompt false the empty caption's (LatentDiffusion.empty_stored: encoded,
+        or the precomputed set's), made once per device."""
+        key = ("unconditional", torch.device(device))  # beside StableDiffusion's own in self._empty
+        if key not in self._empty:
+            stored = self.empty_stored(key[1])
+            context, pooled = stored["text_embeds"], stored["pooled_text_embeds"]
             if self.force_zeros_for_empty_prompt:
                 context, pooled = torch.zeros_like(context), torch.zeros_like(pooled)
-            self._empty_pair[device] = (context, pooled)
-        context, pooled = self._empty_pair[device]
+            self._empty[key] = (context, pooled)
+        context, pooled = self._empty[key]
         return context.expand(n, -1, -1), pooled.expand(n, -1)
-
-    def load_state_dict(self, *args, **kwargs):
-        self._empty_pair.clear()  # the text encoders' weights may change
-        return super().load_state_dict(*args, **kwargs)
 
     def time_ids(self, batch, n: int, image_size: tuple[int, int], device) -> torch.Tensor:
         """(n, 6) floats: (orig_h, orig_w, crop_top, crop_left, target_h, target_w) per sample."""

@@ -52,7 +52,6 @@ class StableDiffusion(LatentDiffusion):
         self.tokenizer = tokenizer
         # A buffer, so checkpoints carry it: a VAE trained here has its own scale (models/autoencoder.py).
         self.register_buffer("latent_scale", torch.tensor(float(latent_scale)))
-        self._empty_embedding: dict[torch.device, torch.Tensor] = {}
         # Sharding only the UNet: the frozen parts are small next to it and have no optimizer state.
         self.unet._fsdp_wrap = True
         self.vae._fsdp_wrap = False
@@ -80,15 +79,12 @@ class StableDiffusion(LatentDiffusion):
 
     def empty_text_embedding(self, device) -> torch.Tensor:
         """The embedding of "" (1, 77, D): the unconditional branch's condition. The text encoder is
-        frozen, so it is encoded once per device (and again after load_state_dict)."""
+        frozen, so it is made once per device (LatentDiffusion.empty_stored: encoded, or the
+        precomputed set's)."""
         device = torch.device(device)
-        if device not in self._empty_embedding:
-            self._empty_embedding[device] = self.encode_text(tokenize(self.tokenizer, [""]).to(device))
-        return self._empty_embedding[device]
-
-    def load_state_dict(self, *args, **kwargs):
-        self._empty_embedding.clear()  # the text encoder's weights may change
-        return super().load_state_dict(*args, **kwargs)
+        if device not in self._empty:
+            self._empty[device] = self.empty_stored(device)["text_embeds"]
+        return self._empty[device]
 
     def _context(self, batch, drop_captions: bool = True) -> torch.Tensor:
         if "text_embeds" in batch:

@@ -117,48 +117,44 @@ def prepare_random_latents(
     t5: bool = False,
 ) -> Path:
     """Random precomputed latents shaped like `preset`'s (`convert latents` columns: VAE moments at
-    each resolution, the text context; for SDXL also the pooled vector and micro-conditioning; for an
-    mmdit preset the pooled vector, and with `t5` T5's context), for GPU throughput and wiring checks
-    (bench/gpu_check.py) where the data's content does not matter and a VAE pass would be wasted. Made
-    once; safe when several ranks call it at once (as prepare_shapes_mds)."""
+    each resolution and the stored form of a caption, whose names and shapes the family's conditioner
+    gives (models/stored_form.py: the text context, a pooled vector, with `t5` an optional T5's
+    context); SDXL's micro-conditioning too), for GPU throughput and wiring checks (bench/gpu_check.py)
+    where the data's content does not matter and a VAE pass would be wasted. Made once; safe when
+    several ranks call it at once (as prepare_shapes_mds)."""
     import numpy as np
 
     from convert.latents import preset_columns
     from models.family import of
     from models.presets import PRESETS, vae_factor
+    from models.stored_form import stored_shapes
 
     local = Path(local)
     if (local / "index.json").exists():
         return local
     spec, family = PRESETS[preset], of(preset)
     cols = preset_columns(preset, list(resolutions), t5)
-    encoders = [spec["text_encoder"]] + ([spec["text_encoder_2"]] if "text_encoder_2" in spec else [])
-    # The stored context: sd2-base: OpenCLIP-H's 1024; SDXL and SD3: 768 + 1280 side by side (SD3's
-    # unpadded: the model pads it to the joint width itself).
-    width = sum(encoder["hidden_size"] for encoder in encoders)
-    # The pooled vector: SDXL's second encoder's projection (1280); SD3's both projections (2048).
-    pooled = sum(spec[name]["projection_dim"] for name in family.pooled_encoders) or None
+    text = stored_shapes(preset, t5)
+    if missing := set(text) - set(cols):  # the conditioner and convert.latents disagree: a bug, not input
+        raise AssertionError(f"{preset}: stored-form tensors {sorted(missing)} have no column {sorted(cols)}")
     channels, factor = spec["vae"]["latent_channels"], vae_factor(preset)
     # Unscaled latents that the model's scaling brings to about unit variance: SD's mean ~ 5 N(0, 1)
-    # (scale 0.18215; SDXL's kept the same), an mmdit VAE's shift + N(0, 1) / scale.
+    # (scale 0.18215; SDXL's kept the same), a VAE with a shift (SD3's, Flux's): shift + N(0, 1) / scale.
     std, shift = (1 / spec["latent_scale"], spec["latent_shift"]) if "latent_shift" in spec else (5.0, 0.0)
     rng = np.random.default_rng(seed)
 
     def rows():
         for i in range(n):
             row = {"caption": "", "key": str(i)}
-            row["text_embeds"] = rng.standard_normal((77, width), np.float32).astype(np.float16)
+            draw = lambda name: rng.standard_normal(text[name], np.float32).astype(np.float16)  # noqa: E731
+            row["text_embeds"] = draw("text_embeds")  # first, then the latents: the draws made before
             for r in resolutions:
                 mean = rng.standard_normal((channels, r // factor, r // factor), np.float32) * std + shift
                 row[f"latents_{r}"] = np.concatenate([mean, np.full_like(mean, -6.0)]).astype(np.float16)
-            if pooled is not None:
-                row["pooled_text_embeds"] = rng.standard_normal(pooled, np.float32).astype(np.float16)
+            row.update({name: draw(name) for name in text if name != "text_embeds"})
             if family.micro_conditioning:
                 row["original_size"] = np.array([max(resolutions)] * 2, dtype=np.int64)
                 row.update({f"crop_top_left_{r}": np.zeros(2, dtype=np.int64) for r in resolutions})
-            if t5:
-                shape = (spec["t5_tokens"], spec["text_encoder_3"]["d_model"])
-                row["text_embeds_3"] = rng.standard_normal(shape, np.float32).astype(np.float16)
             yield row
 
     with atomic_path(local, existing="keep") as out:
@@ -179,12 +175,18 @@ def prepare_sd3_latents(local: str | Path, n: int = 512, resolutions=(256, 512))
     return prepare_random_latents(local, "sd3-medium", n, resolutions)
 
 
+def prepare_flux_latents(local: str | Path, n: int = 512, resolutions=(256,)) -> Path:
+    """flux-schnell's at MLPerf's 256 px: 16-channel moments, T5's 256-token context, CLIP's pooled vector."""
+    return prepare_random_latents(local, "flux-schnell", n, resolutions)
+
+
 # Datasets that `data.train.prepare: NAME` builds at `data.train.local` when it is missing.
 PREPARERS = {
     "shapes": prepare_shapes_mds,
     "sd2-latents": prepare_sd2_latents,
     "sdxl-latents": prepare_sdxl_latents,
     "sd3-latents": prepare_sd3_latents,
+    "flux-latents": prepare_flux_latents,
 }
 
 

@@ -25,6 +25,7 @@ from compat.composer import (
     step_without_closure,
     upload_in_threads,
 )
+from data.latent_dataset import read_empty_caption
 from data.loader import build_image_caption_dataloader
 from extensions.callbacks import IsolateEvalRng, RestoreRngOnResume
 from extensions.checkpointing import install_atomic_checkpoint_writes
@@ -146,6 +147,20 @@ def loader_inputs(model) -> dict:
     return dict(family.conditioner.loader_inputs(model), micro_conditioning=family.micro_conditioning)
 
 
+def _use_empty_caption(run: RunConfig, model) -> None:
+    """Caption dropout on precomputed encodings takes the empty caption's that `sd-convert latents`
+    stored beside the set (data/latent_dataset.py), not the model's own encoding of "" (the text
+    encoders a run on such a set need not load, nor match); a set without them keeps the latter."""
+    if not (run.data.train.latents and getattr(model, "caption_drop_prob", 0.0)):
+        return
+    try:
+        empty = read_empty_caption(run.data.train)
+    except ValueError as err:
+        raise ConfigError(f"data.train: {err}") from err
+    if empty is not None:
+        model.set_empty_caption(empty)
+
+
 def _plan(run: RunConfig, world_size: int):
     return plan_batches(
         run.global_train_batch_size, world_size, run.trainer.get("device_train_microbatch_size")
@@ -172,6 +187,7 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
     train_loader = build_image_caption_dataloader(
         run.data.train, model.tokenizer, batch_size, multiple, **extra
     )
+    _use_empty_caption(run, model)
     eval_loader = None
     if run.data.eval is not None:
         eval_loader = build_image_caption_dataloader(

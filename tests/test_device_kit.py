@@ -172,3 +172,15 @@ def test_session_packs_what_gpu_check_wrote_when_it_is_stopped(tmp_path):
     output, _ = process.communicate(timeout=30)
     assert process.returncode == 143, output
     assert {"gpu-check-run1.md", "gpu-check-run1.json", "e2e-a/loss.jsonl"} <= packed(tmp_path)
+
+
+@pytest.mark.subprocess
+def test_session_runs_a_presets_check_by_name(tmp_path):
+    """`bash bench/gpu_session.sh flux-schnell`: gpu_check's --preset (its depth job), packed under the
+    preset's name."""
+    done = run_session(tmp_path, "flux-schnell")
+    assert done.returncode == 1, done.stdout + done.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    results = tmp_path / "results"
+    assert f"python3 bench/gpu_check.py --preset flux-schnell --out {results} --budget 520" in calls
+    assert "gpu-check-flux-schnell.tgz" in os.listdir(tmp_path / "out")

@@ -52,7 +52,11 @@ def test_the_combination_with_2_microbatches_differs_only_in_its_batch():
     assert [o.replace("=128", "=64") for o in two[1]] == full[1] and "global_train_batch_size=128" in two[1]
 
 
-@pytest.mark.parametrize("preset", sorted(gpu_check.TARGETS))
+# The presets measured through a recipe on random latents (flux-schnell's depth job makes none).
+RECIPE_TARGETS = sorted(p for p, target in gpu_check.TARGETS.items() if "depth" not in target)
+
+
+@pytest.mark.parametrize("preset", RECIPE_TARGETS)
 def test_the_latents_hold_every_variants_batches_in_one_epoch(monkeypatch, tmp_path, preset):
     """The random latents a throughput variant reads hold the warm-up, timed and profiled batches of
     the preset's largest batch per GPU in one epoch, on any number of GPUs, at the measured size only;
