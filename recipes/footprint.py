@@ -59,13 +59,16 @@ class _FlashAttention(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _fused_attention():
-    """diffusers' attention processors call F.scaled_dot_product_attention at call time."""
+    """diffusers' attention processors call F.scaled_dot_product_attention at call time (Flux's through
+    diffusers' attention dispatcher, by keyword: hence torch's argument names)."""
     math_path = F.scaled_dot_product_attention
 
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
-        if attn_mask is not None or is_causal or q.shape[-1] != v.shape[-1]:
-            return math_path(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
-        return _FlashAttention.apply(q, k, v)
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        if attn_mask is not None or is_causal or query.shape[-1] != value.shape[-1]:
+            return math_path(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs
+            )
+        return _FlashAttention.apply(query, key, value)
 
     F.scaled_dot_product_attention = sdpa
     try:

@@ -42,13 +42,14 @@ import logging
 import re
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from recipes.compose import load_config
 from recipes.config import ConfigError, parse_config
+from recipes.convergence import benchmark_of, converging_rows, describe, no_benchmark
 from recipes.memory import add_memory_arguments, format_memory, plan_memory
+from recipes.plan_plot import write_plot
 from recipes.scaling import plan_batches
 from recipes.throughput import Throughput, rate_note, read_throughput, write_throughput
 
@@ -110,7 +111,8 @@ def format_table(rows: list[dict]) -> str:
             return "-" if value is None else str(value)
 
         if "error" in row:  # the message follows the table
-            return [str(row["gpus"]), "-", "-", "error", f"{row['images']:,}", "-", "-", "-"]
+            images = "-" if row["images"] is None else f"{row['images']:,}"  # None: no samples to converge
+            return [str(row["gpus"]), "-", "-", "error", images, "-", "-", "-"]
         return [
             str(row["gpus"]),
             dash(row["per_device_batch"]),
@@ -127,32 +129,6 @@ def format_table(rows: list[dict]) -> str:
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in table]
     lines += [f"error at {row['gpus']} GPUs: {row['error']}" for row in rows if "error" in row]
     return "\n".join(lines)
-
-
-def write_plot(rows: list[dict], path: str | Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a cluster login node or in CI
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullLocator
-
-    rows = [row for row in rows if "error" not in row]  # nothing to draw for a split that fails
-    gpus = [row["gpus"] for row in rows]
-    fig, (ax_days, ax_cost) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_days.plot(gpus, [row["days"] for row in rows], "o-")
-    ax_days.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="days", title="time to train")
-    ax_cost.plot(gpus, [row["cost"] for row in rows], "o-")
-    ax_cost.set(xscale="log", xlabel="GPUs", ylabel="$", title="cost (flat under linear scaling)")
-    ax_cost.set_ylim(bottom=0)
-    for ax in (ax_days, ax_cost):
-        ax.set_xticks(gpus, [str(n) for n in gpus])
-        ax.xaxis.set_minor_locator(NullLocator())  # only the planned counts
-        ax.grid(True, alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    log.info("wrote %s", path)
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -201,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_microbatch,
         help="override trainer.device_train_microbatch_size (a cap: int, or auto)",
     )
+    parser.add_argument(
+        "--per-gpu-batch",
+        type=_gpu_count,
+        help="a run to an MLPerf target: each count trains at global batch N x GPUs (MLPerf's way of "
+        "scaling out), priced at that batch's samples to converge (recipes/convergence.py)",
+    )
     add_memory_arguments(parser, _gpu_count)
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     parser.add_argument("--plot", help="also write a PNG of days and cost vs GPUs")
@@ -226,14 +208,16 @@ def main(argv: list[str] | None = None) -> None:
             run.trainer.get("device_train_microbatch_size") if args.microbatch is None else args.microbatch
         )
         max_duration = run.trainer.get("max_duration")
-        rows = plan_rows(
-            run.global_train_batch_size,
-            max_duration,
-            microbatch,
-            args.gpus,
-            throughput.img_per_sec_per_gpu,
-            args.price_per_gpu_hour,
-        )
+        rate = (throughput.img_per_sec_per_gpu, args.price_per_gpu_hour)
+        bench = benchmark_of(run)  # a run to an MLPerf target: its samples to converge, not max_duration
+        if bench is None:
+            if args.per_gpu_batch:
+                raise ConfigError(f"--per-gpu-batch: {args.yaml} trains to {no_benchmark()}")
+            rows = plan_rows(run.global_train_batch_size, max_duration, microbatch, args.gpus, *rate)
+        else:
+            per_gpu = args.per_gpu_batch
+            batch = {n: per_gpu * n if per_gpu else run.global_train_batch_size for n in args.gpus}
+            rows = converging_rows(bench, plan_rows, batch, microbatch, *rate)
         memory_notes, no_fit = plan_memory(run, rows, args.shard, args.gpu_memory, args.gpus_per_node)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
@@ -248,9 +232,8 @@ def main(argv: list[str] | None = None) -> None:
             run.data.train.resolution,
         )
 
-    title = (
-        f"{run.run_name}: {rows[0]['images']:,} images at {throughput.img_per_sec_per_gpu:g} img/s per GPU"
-    )
+    images = next((row["images"] for row in rows if row["images"] is not None), 0)
+    title = f"{run.run_name}: {images:,} images at {throughput.img_per_sec_per_gpu:g} img/s per GPU"
     if args.plot:
         write_plot(rows, args.plot, title)
     failed = no_fit or any("error" in row for row in rows)
@@ -261,7 +244,13 @@ def main(argv: list[str] | None = None) -> None:
         if failed:
             sys.exit(1)
         return
-    _print_assumptions(args, run, throughput, max_duration, microbatch, rows[0]["images"], note)
+    shown = f"global batch {run.global_train_batch_size}, max_duration {max_duration}"
+    if bench is not None:
+        per_gpu = f"{args.per_gpu_batch} x GPUs" if args.per_gpu_batch else run.global_train_batch_size
+        shown = f"global batch {per_gpu}, to {bench.name}'s target {bench.target:g}"
+    _print_assumptions(args, run, throughput, shown, microbatch, None if args.per_gpu_batch else images, note)
+    if bench is not None:
+        print("\n".join(describe(bench, run, rows, list(batch.values()))))
     print()
     print(format_table(rows))
     print()
@@ -287,16 +276,14 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _print_assumptions(
-    args, run, throughput: Throughput, max_duration, microbatch, images: int, note: str | None
+    args, run, throughput: Throughput, shown: str, microbatch, images: int | None, note: str | None
 ) -> None:
     """The lines above the table: what the plan starts from (run, throughput and the preset it was
-    measured on, price, microbatch cap)."""
+    measured on, price, microbatch cap); `shown`: its batch and duration; images None: each row's own."""
     device = f" on {throughput.device}" if throughput.device else ""
     measured = f", measured on preset {throughput.preset}" if throughput.preset else ""
-    print(
-        f"{args.yaml}: preset {run.model['preset']}, global batch {run.global_train_batch_size}, "
-        f"max_duration {max_duration} -> {images:,} images"
-    )
+    seen = "each row's images" if images is None else f"{images:,} images"
+    print(f"{args.yaml}: preset {run.model['preset']}, {shown} -> {seen}")
     print(
         f"throughput {throughput.img_per_sec_per_gpu:g} img/s per GPU{device} (from {throughput.source}"
         f"{measured}), ${args.price_per_gpu_hour:g} per GPU-hour"

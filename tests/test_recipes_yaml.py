@@ -56,6 +56,17 @@ REQUIRED = {
         "trainer.save_folder=/ckpt-sd3",
     ],
     "sd3-finetune": ["data.train.local=/data/mds", "model.pretrained=/models/sd3", "trainer.save_folder=/ft"],
+    "flux-schnell-mlperf": [
+        "data.train.remote=s3://bucket/cc12m-flux",
+        "data.eval.remote=s3://bucket/coco-flux",
+        "model.pretrained=/models/flux-schnell",
+        "trainer.save_folder=/ckpt-flux",
+    ],
+    "flux-finetune": [
+        "data.train.local=/data/mds",
+        "model.pretrained=/models/flux-dev",
+        "trainer.save_folder=/ft",
+    ],
     "tiny-cpu": [],
     "tiny-flux-cpu": [],
     "tiny-mmdit-cpu": [],
