@@ -1,7 +1,7 @@
 """Kill a two-process tiny training run at seeded moments and check that every restart ends bitwise equal
 to the uninterrupted run (not part of `make test`: ~1 minute a kill on two shared cores).
 
-    python bench/resume_stress.py [--kills 20] [--seed 0] [--out DIR] [--keep]
+    python bench/resume_stress.py [--kills 20] [--seed 0] [--out DIR] [--keep] [--sharded]
 
 The run is the one the resume tests train (tests/resume_check.py: `composer -n 2` through
 tests/launch.py, the tiny recipe, 8 batches over two epochs, a checkpoint every batch, autoresume,
@@ -18,7 +18,12 @@ bit for bit. Each kill draws, from --seed and its number, a batch and one of the
                 to link it anew (tests.probes.KillBeforeLatest)
 
 After a kill, every file under a checkpoint's name must load, and the restart must train on from the
-newest of them (not from an older one, nor from batch 0 over its own checkpoints). Prints a line per
+newest of them (not from an older one, nor from batch 0 over its own checkpoints).
+
+`--sharded` stresses sharded checkpoints instead (tests/fsdp2_runs.py: the tiny MMDiT on 2 processes
+with parallelism.shard=2, 6 batches, a folder of 2 shard files and a .metadata per batch), with the
+kinds group and rank1: a kill often lands inside a save, and leaves a folder without its metadata
+or with a shard cut short; the restart must train on from the newest complete one. Prints a line per
 kill and the seconds each took; exits 1 on the first restart that differs (--keep-going to carry on),
 with the line to repeat it.
 """
@@ -53,15 +58,17 @@ def shapes_mds(root: Path) -> Path:
     return root
 
 
-def draw(seed: int, number: int) -> tuple[str, int, float]:
+def draw(seed: int, number: int, sharded: bool = False) -> tuple[str, int, float]:
     """Kill `number`'s moment: (kind, batch, seconds after the batch is logged)."""
-    from tests.resume_check import BATCHES
+    from tests import fsdp2_runs, resume_check
 
     rng = random.Random(f"{seed}-{number}")
-    kind = KINDS[number % len(KINDS)] if number < len(KINDS) else rng.choice(KINDS)  # each kind early on
+    kinds = KINDS[:2] if sharded else KINDS  # the probes kill inside a checkpoint file's write
+    batches = fsdp2_runs.BATCHES if sharded else resume_check.BATCHES
+    kind = kinds[number % len(kinds)] if number < len(kinds) else rng.choice(kinds)  # each kind early on
     # Not after the last two batches: 0.6 s after batch 6 of 8 the run had ended once, and a kill after
     # the end tests nothing of a resume.
-    batch = rng.randint(1, BATCHES - 2)
+    batch = rng.randint(1, batches - 2)
     return kind, batch, rng.uniform(0.0, 0.4) if kind in ("group", "rank1") else 0.0
 
 
@@ -112,19 +119,44 @@ def unloadable(folder: Path) -> list[str]:
     return bad
 
 
-def one_kill(number: int, args, data: Path, reference: Path) -> tuple[bool, str]:
-    from tests.resume_check import BATCHES, assert_same_run, run, train_command, train_env
+def newest_complete(folder: Path) -> int:
+    """The batch of the newest complete sharded checkpoint in `folder` (0 if none)."""
+    from models.sharded_checkpoint import ShardedCheckpointError, check_complete
 
-    kind, batch, drawn = draw(args.seed, number)
+    batches = [0]
+    for path in folder.glob("ep*-ba*"):
+        try:
+            if path.is_dir() and not path.is_symlink() and check_complete(path):
+                batches.append(int(path.name.split("-ba")[1]))
+        except ShardedCheckpointError:
+            pass
+    return max(batches)
+
+
+def command_for(args, out: Path, data: Path) -> tuple[list[str], int]:
+    """The run's command and its number of batches."""
+    from tests import fsdp2_runs, resume_check
+
+    if args.sharded:
+        return fsdp2_runs.mmdit_command("shard-2", out, data), fsdp2_runs.BATCHES
+    return resume_check.train_command(2, out, data), resume_check.BATCHES
+
+
+def one_kill(number: int, args, data: Path, reference: Path) -> tuple[bool, str]:
+    from tests.resume_check import assert_same_run, run, train_env
+
+    kind, batch, drawn = draw(args.seed, number, args.sharded)
     out = args.out / f"kill-{number:02d}"
-    command = train_command(2, out, data)
+    command, batches = command_for(args, out, data)
     for delay in (drawn, 0.0):
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         what = kill_at(command, train_env(), out / "loss.jsonl", kind, batch, delay)
         # A kill after the run's end (on an idle machine the last batches take < 0.3 s) tests no resume:
         # once more, the moment the batch is logged.
-        if len(list(out.glob(f"ckpt/*-ba{BATCHES}-rank0.pt"))) == 0:
+        if not list(out.glob(f"ckpt/*-ba{batches}-rank0.pt")) and not list(
+            out.glob(f"ckpt/*-ba{batches}/.metadata")
+        ):
             break
     why = f"kill {number} ({kind} at batch {batch}: {what}); repeat with --seed {args.seed} --first {number}"
     # The probes' kills came where they say: rank 0 SIGKILLed (the launcher exits 9) with half a file
@@ -137,17 +169,17 @@ def one_kill(number: int, args, data: Path, reference: Path) -> tuple[bool, str]
     if bad := unloadable(out / "ckpt"):
         return False, f"{why}: after the kill these do not load: {bad}"
     saved = [int(p.name.split("-ba")[1].split("-")[0]) for p in out.glob("ckpt/ep*-ba*-rank0.pt")]
-    newest = max(saved, default=0)
+    newest = newest_complete(out / "ckpt") if args.sharded else max(saved, default=0)
     logged = len((out / "loss.jsonl").read_text().splitlines()) if (out / "loss.jsonl").exists() else 0
     again = run(command, REPO, train_env())
     if again.returncode != 0:
         return False, f"{why}: the restart exited {again.returncode}: {again.stderr[-2000:]}"
     # The restart trains on from the newest checkpoint the kill left, not from an older one or batch 0.
     redone = [json.loads(line)["batch"] for line in (out / "loss.jsonl").read_text().splitlines()[logged:]]
-    if redone[:1] != ([newest + 1] if newest < BATCHES else []):
+    if redone[:1] != ([newest + 1] if newest < batches else []):
         return False, f"{why}: the newest checkpoint was batch {newest}, the restart trained batches {redone}"
     try:
-        assert_same_run(reference, out, why)
+        assert_same_run(reference, out, why, batches)
     except AssertionError as error:
         return False, f"{why}: differs from the uninterrupted run ({error})"
     if not args.keep:
@@ -164,19 +196,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="working folder (default: a temporary one, removed)")
     parser.add_argument("--keep", action="store_true", help="keep each kill's folder")
     parser.add_argument("--keep-going", action="store_true", help="go on after a restart that differs")
+    parser.add_argument("--sharded", action="store_true", help="a sharded run (FSDP2, sharded checkpoints)")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     temporary = args.out is None
     args.out = Path(args.out or tempfile.mkdtemp(prefix="resume-stress-")).absolute()
-    from tests.resume_check import run, train_command, train_env
+    from tests.resume_check import run, train_env
 
     data = shapes_mds(args.out / "shapes")
-    reference = args.out / "reference"
+    reference = args.out / ("reference-sharded" if args.sharded else "reference")
     if not (reference / "ema-rank0.pt").exists():
         reference.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
-        result = run(train_command(2, reference, data), REPO, train_env())
+        result = run(command_for(args, reference, data)[0], REPO, train_env())
         if result.returncode != 0:
             sys.exit(f"the uninterrupted run failed: {result.stderr[-3000:]}")
         print(f"reference run: {time.monotonic() - start:.1f} s", flush=True)

@@ -43,7 +43,7 @@ from composer.utils import dist, format_name_with_dist, maybe_create_object_stor
 
 from common.atomic import atomic_path
 from models.checkpoint_file import CheckpointError, read_checkpoint
-from models.sharded_checkpoint import ShardedCheckpointError, check_complete, is_sharded_checkpoint
+from models.sharded_checkpoint import METADATA, ShardedCheckpointError, check_complete, is_sharded_checkpoint
 from recipes.remote_sharded import complete_remote_checkpoints
 
 log = logging.getLogger(__name__)
@@ -225,14 +225,30 @@ def _batch_of(listed: list[tuple[int, str, int]], path: str) -> int:
     return next(batch for batch, listed_path, _ in listed if listed_path == path)
 
 
-def _set_aside(path: str) -> str:
+def _set_aside(path: str, suffix: str = "unreadable") -> str:
     """Rename `path` to `path.unreadable` (or `.unreadable-2`, ... if taken); the new name."""
-    target, n = f"{path}.unreadable", 1
+    target, n = f"{path}.{suffix}", 1
     while os.path.lexists(target):
         n += 1
-        target = f"{path}.unreadable-{n}"
+        target = f"{path}.{suffix}-{n}"
     os.rename(path, target)
     return target
+
+
+def _set_aside_unfinished(listed: list[tuple[int, str, int]]) -> set[str]:
+    """Rename aside (`NAME.incomplete`) the sharded checkpoints whose save never finished: torch writes a
+    folder's `.metadata` last, so one without it is a save cut short (a kill while ranks wrote), as a
+    `.tmp-` file is for a checkpoint file: no checkpoint, and out of the way of the rerun, which saves
+    that batch anew. The paths set aside."""
+    unfinished = {
+        path for _, path, _ in listed if os.path.isdir(path) and not os.path.exists(f"{path}/{METADATA}")
+    }
+    for path in sorted(unfinished):
+        new = Path(_set_aside(path, "incomplete")).name
+        log.warning(
+            "autoresume: %s is a sharded checkpoint whose save never finished; renamed to %s", path, new
+        )
+    return unfinished
 
 
 def _repoint_latest(folder: Path, set_aside: set[str], path: str) -> None:
@@ -247,7 +263,11 @@ def _repoint_latest(folder: Path, set_aside: set[str], path: str) -> None:
 def _choose(listed: list[tuple[int, str, int]], everywhere: list[str], folder: Path) -> dict:
     """Rank 0's decision: {"path": the newest checkpoint every rank sees whole and that loads, or
     None}, or {"error": one line}. Newer files that do not load are renamed aside, each with a
-    warning, once a checkpoint that loads has been found (none is touched when none loads)."""
+    warning, once a checkpoint that loads has been found (none is touched when none loads); sharded
+    checkpoints whose save never finished are renamed aside whatever else is found."""
+    unfinished = _set_aside_unfinished(listed)
+    listed = [entry for entry in listed if entry[1] not in unfinished]
+    everywhere = [path for path in everywhere if path not in unfinished]
     unreadable = []
     for path in everywhere:
         try:
@@ -265,7 +285,7 @@ def _choose(listed: list[tuple[int, str, int]], everywhere: list[str], folder: P
                 reason,
                 Path(_set_aside(bad)).name,
             )
-        _repoint_latest(folder, {bad for bad, _ in unreadable}, path)
+        _repoint_latest(folder, {bad for bad, _ in unreadable} | unfinished, path)
         for batch, other, _ in listed:
             if batch > _batch_of(listed, path) and other not in everywhere:
                 log.warning("autoresume: skipping %s, which not every rank sees whole", other)

@@ -15,7 +15,9 @@ BATCHES = 6
 # elastic restart re-derives it), one of 4 on 4.
 COMMON = ["trainer.device_train_microbatch_size=8", f"trainer.max_duration={BATCHES}ba"]
 SHAPES = {  # name -> (processes, overrides)
-    "shard-2": (2, ["parallelism.shard=2"]),
+    # With every block recomputed in the backward pass: the DDP comparison then covers it too, and the
+    # one-process continuation (no checkpointing) loads its checkpoint.
+    "shard-2": (2, ["parallelism.shard=2", "model.activation_checkpointing=blocks"]),
     "hsdp-2x2": (4, ["parallelism.shard=2", "parallelism.replicate=2"]),
 }
 

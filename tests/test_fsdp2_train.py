@@ -36,8 +36,9 @@ def test_sharded_run_trains_like_data_parallel_and_saves_sharded_checkpoints(
 ):
     """The same 2-process run unsharded (DDP) for 3 batches: each rank draws the same noise from the
     same seed either way, so the losses agree to fp32 rounding (the gradients are averaged by a
-    reduce-scatter instead of an all-reduce). A 1-process run cannot be compared loss for loss: its
-    one rank draws the noise of the whole batch from rank 0's seed."""
+    reduce-scatter instead of an all-reduce, and the sharded run recomputes every block in the
+    backward pass). A 1-process run cannot be compared loss for loss: its one rank draws the noise of
+    the whole batch from rank 0's seed."""
     sharded = mmdit_reference("shard-2")
     ddp = train_command(2, tmp_path, shapes_mds, *COMMON, "trainer.max_duration=3ba", recipe=RECIPE)
     result = run(ddp, REPO, train_env())
@@ -58,6 +59,7 @@ def test_sharded_run_trains_like_data_parallel_and_saves_sharded_checkpoints(
     for key in (f"state.model.{name}", f"state.callbacks.EMAShards.ema.{name}"):
         assert len(metadata[key].chunks) == 2, key  # half of it from each rank: the model and the EMA
     assert ["state.optimizers" in k for k in metadata].count(True) > 0
+    assert not any("_checkpoint_wrapped_module" in k for k in metadata)  # names as without recomputing
 
 
 def test_sigkill_and_rerun_ends_bitwise_equal(mmdit_reference, shapes_mds, tmp_path):

@@ -82,10 +82,21 @@ def test_autoresume_takes_the_newest_complete_one_and_sets_the_others_aside(ckpt
     assert resumed["load_path"] == str(ckpt / "ep0-ba2") and resumed["autoresume"] is False
     assert loads_sharded(resumed["load_path"])
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == ["ep0-ba1", "ep0-ba2", "ep0-ba3.unreadable", "ep1-ba4.unreadable", "latest-rank0.pt"]
+    assert names == ["ep0-ba1", "ep0-ba2", "ep0-ba3.incomplete", "ep1-ba4.unreadable", "latest-rank0.pt"]
     assert (ckpt / "latest-rank0.pt").resolve() == ckpt / "ep0-ba2"  # no longer at what was set aside
     skipped = " ".join(r.getMessage() for r in caplog.records)
-    assert "ep1-ba4, which does not load" in skipped and "cut short" in skipped and "no .metadata" in skipped
+    assert "ep1-ba4, which does not load" in skipped and "cut short" in skipped
+    assert "ep0-ba3 is a sharded checkpoint whose save never finished" in skipped
+
+
+def test_a_first_save_cut_short_starts_the_run_afresh(tmp_path):
+    """A kill during the first checkpoint's save: no checkpoint yet (as a `.tmp-` file is none), so the
+    run starts from its beginning, the unfinished folder renamed out of the way of its new save."""
+    folder = tmp_path / "ckpt"
+    (sharded(folder / "ep0-ba1", 1) / ".metadata").unlink()
+    trainer = {"save_folder": str(folder), "autoresume": True}
+    assert local_autoresume(trainer, "run") == {**trainer, "autoresume": False}
+    assert sorted(p.name for p in folder.iterdir()) == ["ep0-ba1.incomplete"]
 
 
 def test_a_newer_checkpoint_file_beside_sharded_folders_wins(ckpt):
