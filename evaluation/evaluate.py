@@ -204,8 +204,10 @@ def evaluate(args) -> list[dict] | None:
     )
     torch_device = compat_torch_device(device)
     model.to(torch_device), inception.to(torch_device), clip.model.to(torch_device)
-    # The denoiser's native size: its latent sample_size (a UNet's, or a transformer's) in pixels.
-    resolution = args.resolution or model.denoiser.config.sample_size * model.vae_scale_factor
+    # The native size in pixels: the model's own (a transformer's `native_size()`; Flux's transformer has
+    # no sample_size, its VAE's is the size), else the UNet's latent sample_size x the VAE's factor.
+    native = model.native_size()[0] if hasattr(model, "native_size") else None
+    resolution = args.resolution or native or model.denoiser.config.sample_size * model.vae_scale_factor
     rows = choose_rows(dataset.num_samples, args.n, args.seed)  # len() is per rank
     batches = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
     mine = range(rank, len(batches), dist.get_world_size())

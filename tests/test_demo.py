@@ -5,14 +5,28 @@ import json
 
 import pytest
 
-from demo.run import main
+from demo.run import QUICK, RECIPES, YAMLS, main
+from recipes import load_config, parse_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.fit, pytest.mark.subprocess]  # a DataLoader worker
 # Well above chance (1/3 for three prompts). Measured after 450 batches, one thread: colour 100%,
 # shape 75% over 12 images (2026-11-26).
 QUICK_COLOR, QUICK_SHAPE = 0.75, 0.6
 
 
+def test_every_preset_trains_its_own_model_and_has_quick_settings():
+    """`--preset P` trains P (not another preset's recipe), and `--quick` has settings for it that its
+    recipe takes and that shorten it."""
+    assert set(QUICK["diffusion"]) == set(RECIPES) and {"tiny", "mmdit-tiny", "flux-tiny"} <= set(RECIPES)
+    for preset, recipe in RECIPES.items():
+        runs = [parse_config(load_config(YAMLS / recipe, o)) for o in ([], QUICK["diffusion"][preset])]
+        assert [run.model["preset"] for run in runs] == [preset, preset], recipe
+        full, quick = (int(run.trainer["max_duration"].removesuffix("ba")) for run in runs)
+        assert quick < full, (preset, quick, full)
+
+
+@pytest.mark.slow
+@pytest.mark.fit
+@pytest.mark.subprocess  # a DataLoader worker
 def test_quick_demo_learns_to_follow_the_shape(tmp_path, monkeypatch, capfd):
     # In this process, which has imported the stack already (a subprocess spent ~8 s of CPU on it),
     # with one thread like every test process: the other pytest worker has the second core. (With
