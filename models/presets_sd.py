@@ -1,4 +1,4 @@
-"""The Stable Diffusion 1/2 presets (family "sd": models/stable_diffusion.py).
+"""The Stable Diffusion 1/2 presets (family sd: models/stable_diffusion.py).
 
 `sd2-base` is the published Stable Diffusion 2 base architecture (the diffusers configs of
 stabilityai/stable-diffusion-2-base); `sd2-768-v` is stabilityai/stable-diffusion-2 (the same
