@@ -106,71 +106,42 @@ def unet_training_flops(unet_config, height: int, width: int, context_length: in
     pretrained one), latents of height x width and a text context of `context_length` tokens.
     Counted on the meta device once per distinct argument set, then cached (what
     `StableDiffusion.flops_per_batch` calls every batch)."""
-    return _cached_unet_training_flops(
-        json.dumps(dict(unet_config), sort_keys=True, default=str),
-        int(height),
-        int(width),
-        int(context_length),
-    )
-
-
-@functools.cache
-def _cached_unet_training_flops(config_json: str, height: int, width: int, context_length: int) -> float:
-    with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(json.loads(config_json))
-    flops = unet_step_flops(unet, height, width, context_length)
-    log.info(
-        "UNet at %dx%d latents, %d context tokens: %.4g training FLOP per image",
-        height,
-        width,
-        context_length,
-        flops,
-    )
-    return flops
+    return _training_flops(UNet2DConditionModel, unet_step_flops, unet_config, height, width, context_length)
 
 
 def transformer_training_flops(transformer_config, height: int, width: int, context_length: int) -> float:
     """`unet_training_flops` for an SD3 transformer (its diffusers config), latents of height x width
     and a joint-attention context of `context_length` tokens; counted once per argument set, then
     cached (what `RectifiedFlowTransformer.flops_per_batch` calls every batch)."""
-    return _cached_transformer_training_flops(
-        json.dumps(dict(transformer_config), sort_keys=True, default=str),
-        int(height),
-        int(width),
-        int(context_length),
+    return _training_flops(
+        SD3Transformer2DModel, transformer_step_flops, transformer_config, height, width, context_length
     )
 
 
+def flux_training_flops(transformer_config, height: int, width: int, context_length: int) -> float:
+    """`transformer_training_flops` for a Flux transformer (its diffusers config); counted once per
+    argument set, then cached (what the Flux model's `flops_per_batch` calls every batch)."""
+    return _training_flops(
+        FluxTransformer2DModel, flux_step_flops, transformer_config, height, width, context_length
+    )
+
+
+def _training_flops(cls, step_flops, config, height: int, width: int, context_length: int) -> float:
+    config_json = json.dumps(dict(config), sort_keys=True, default=str)
+    return _cached_training_flops(cls, step_flops, config_json, int(height), int(width), int(context_length))
+
+
 @functools.cache
-def _cached_transformer_training_flops(
-    config_json: str, height: int, width: int, context_length: int
-) -> float:
+def _cached_training_flops(cls, step_flops, config_json: str, height: int, width: int, context_length: int):
     with torch.device("meta"):
-        transformer = SD3Transformer2DModel.from_config(json.loads(config_json))
-    flops = transformer_step_flops(transformer, height, width, context_length)
+        denoiser = cls.from_config(json.loads(config_json))
+    flops = step_flops(denoiser, height, width, context_length)
     log.info(
-        "transformer at %dx%d latents, %d context tokens: %.4g training FLOP per image",
+        "%s at %dx%d latents, %d context tokens: %.4g training FLOP per image",
+        cls.__name__,
         height,
         width,
         context_length,
         flops,
     )
     return flops
-
-
-def flux_training_flops(transformer_config, height: int, width: int, context_length: int) -> float:
-    """`transformer_training_flops` for a Flux transformer (its diffusers config); counted once per
-    argument set, then cached (what the Flux model's `flops_per_batch` calls every batch)."""
-    return _cached_flux_training_flops(
-        json.dumps(dict(transformer_config), sort_keys=True, default=str),
-        int(height),
-        int(width),
-        int(context_length),
-    )
-
-
-@functools.cache
-def _cached_flux_training_flops(config_json: str, height: int, width: int, context_length: int) -> float:
-    with torch.device("meta"):
-        transformer = FluxTransformer2DModel.from_config(json.loads(config_json))
-    return flux_step_flops(transformer, height, width, context_length)
