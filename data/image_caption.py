@@ -29,6 +29,7 @@ from torchvision.transforms import functional as F
 
 from data.streaming_base import StreamingBase
 from data.transforms import Crop, SquareTransform, crop_top_left, square_crop
+from models.draw_keys import SAMPLE_INDEX
 from models.pixels import to_float
 from models.tokenizer import CaptionEncoder, tokenize_t5
 
@@ -156,6 +157,7 @@ class ImageCaptionDataset(StreamingBase):
         if self.micro_conditioning:
             out["original_size"] = torch.tensor(original_size(sample, crop.size))
             out["crop_top_left"] = torch.tensor(crop.top_left)
+        out[SAMPLE_INDEX] = int(index)  # training draws keyed per sample (models/draw_keys.py)
         return out
 
 

@@ -29,6 +29,7 @@ import torch
 
 from data.streaming_base import StreamingBase
 from data.streams import _configured, read_index
+from models.draw_keys import SAMPLE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class LatentsDataset(StreamingBase):
             out["original_size"] = torch.tensor(sample["original_size"], dtype=torch.int64)
         if self.crop_column in sample:
             out["crop_top_left"] = torch.tensor(sample[self.crop_column], dtype=torch.int64)
+        out[SAMPLE_INDEX] = int(index)  # training draws keyed per sample (models/draw_keys.py)
         return out
 
 

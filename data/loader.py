@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import torch
 from streaming import Stream
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from data.buckets import bucket_ratio, bucket_size, check_size
 from data.image_caption import ImageCaptionDataset
 from data.latent_dataset import LatentsDataset
 from data.streams import check_settings, resolve_streams, streaming_settings
+from models.draw_keys import SAMPLE_INDEX
 
 
 @dataclass
@@ -122,6 +123,7 @@ def build_image_caption_dataloader(
     return DataLoader(
         dataset,
         batch_size=batch_size,
+        collate_fn=collate,
         num_workers=cfg.num_workers,
         drop_last=cfg.drop_last,
         persistent_workers=cfg.num_workers > 0,
@@ -129,3 +131,14 @@ def build_image_caption_dataloader(
         # non_blocking=True); nothing to gain without a GPU.
         pin_memory=torch.cuda.is_available(),
     )
+
+
+def collate(samples: list[dict]) -> dict:
+    """torch's default collate, but each sample's index in its dataset (models/draw_keys.py) stays a
+    list of ints: Composer moves a batch's tensors to the GPU, and reading the indices back from there
+    would wait for the GPU every step."""
+    indices = [sample.pop(SAMPLE_INDEX) for sample in samples] if SAMPLE_INDEX in samples[0] else None
+    batch = default_collate(samples)
+    if indices is not None:
+        batch[SAMPLE_INDEX] = indices
+    return batch

@@ -86,8 +86,11 @@ def _point_latest_at(saver, state: State, path: Path) -> None:
 
 
 class LossLog(Callback):
-    """Appends `{"batch": N, "loss": x}` per batch to a JSON-lines file on rank 0 (for audits and
-    the resume tests); a resumed run appends the batches it re-trains again."""
+    """Appends `{"batch": N, "loss": x, "total": y}` per batch to a JSON-lines file on rank 0 (for
+    audits and the resume tests); a resumed run appends the batches it re-trains again. `loss`: rank
+    0's last microbatch loss as Composer leaves it (scaled by its share of the rank's batch); `total`:
+    the batch's loss over every rank and microbatch (Composer's `loss/train/total`), the number to
+    compare between runs on different numbers of processes."""
 
     def __init__(self, path: str):
         self.path = Path(path)
@@ -96,19 +99,21 @@ class LossLog(Callback):
         if dist.get_global_rank() != 0:
             return
         loss = state.loss.item() if isinstance(state.loss, torch.Tensor) else float("nan")
+        total = state.total_loss_dict.get("loss/train/total", float("nan"))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
-            f.write(json.dumps({"batch": int(state.timestamp.batch), "loss": loss}) + "\n")
+            f.write(json.dumps({"batch": int(state.timestamp.batch), "loss": loss, "total": total}) + "\n")
             f.flush()
 
 
-def read_loss_log(path: str | Path) -> dict[int, float]:
-    """batch -> loss, keeping the last record for batches that a resumed run trained again."""
+def read_loss_log(path: str | Path, key: str = "loss") -> dict[int, float]:
+    """batch -> `key` ("loss" or "total": LossLog's), keeping the last record for batches that a
+    resumed run trained again."""
     records = {}
     for line in Path(path).read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            records[row["batch"]] = row["loss"]
+            records[row["batch"]] = row[key]
     return dict(sorted(records.items()))
 
 

@@ -12,6 +12,7 @@ from diffusers import DDPMScheduler
 
 import models.family as families
 from compat.diffusers import AttnProcessor
+from models.draw_keys import check_train_draws
 from models.eval_timesteps import check_eval_timesteps
 from models.family import FLOW_OPTIONS, OBJECTIVE_OPTIONS, build_components, load_component
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
@@ -123,6 +124,7 @@ def build_model(
     lora: dict | None = None,
     param_dtype: str | None = None,
     eval_timesteps: int | None = None,
+    train_draws: str = "rank",
 ) -> StableDiffusion | RectifiedFlowTransformer:
     """The ComposerModel for `preset` (a name in models.presets.PRESETS): its family's model class
     (models/family.py), a StableDiffusion, a StableDiffusionXL or a RectifiedFlowTransformer.
@@ -169,11 +171,14 @@ def build_model(
     eval_timesteps: validate each sample at one of K evenly spaced timesteps (its eval seed picks
         which) and add the metric FixedTimestepLoss, MLPerf's Flux rule with K = 8
         (models/eval_timesteps.py); None: at a seeded random timestep.
+    train_draws: "rank" (training's noise, timesteps and caption dropout from the global RNG, which
+        Composer seeds seed + rank) or "sample" (keyed by the run's seed, the batch index and each
+        sample's index: the same on any number of processes; models/draw_keys.py).
     """
     objective, pretrained_components, lora = _checked(
         preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
         zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
-        attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, eval_timesteps,
+        attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, eval_timesteps, train_draws,
     )  # fmt: skip
     parts = _parts(preset, pretrained, pretrained_components)
     options = _objective(preset, parts, pretrained_components if pretrained else (), objective)
@@ -201,6 +206,7 @@ def build_model(
     model.lora = lora
     if eval_timesteps is not None:
         model.set_eval_timesteps(eval_timesteps)
+    model.set_train_draws(train_draws)
     return model
 
 
@@ -215,13 +221,14 @@ def check_model_options(preset: str, **options) -> None:
 def _checked(
     preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
     zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
-    attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, eval_timesteps,
+    attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, eval_timesteps, train_draws,
 ):  # fmt: skip
     """build_model's options checked: (objective keywords, components to load, LoRA options)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     if eval_timesteps is not None:
         check_eval_timesteps(eval_timesteps)
+    check_train_draws(train_draws)
     objective = dict(
         prediction_type=prediction_type,
         offset_noise=offset_noise,

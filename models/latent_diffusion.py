@@ -15,7 +15,9 @@ over: models/pixels.py; `input_ids`, ...) or what `sd-convert latents` precomput
 from the moments and scale it once, here, so the loss is the same for the same draws.
 
 Training draws its latent samples, noise, timesteps and caption dropout from the global RNG (which
-Composer seeds and checkpoints). Validation draws them from generators seeded per sample, so a
+Composer seeds and checkpoints), or with `train_draws = "sample"` from generators keyed by the run's
+seed, the batch index and each sample's index in its dataset (models/draw_keys.py: the same draws on
+any number of processes). Validation draws them from generators seeded per sample, so a
 checkpoint's validation loss is the same number each time it is measured; with `eval_timesteps` each
 sample's timestep is one of K fixed ones instead (MLPerf's rule: models/eval_timesteps.py).
 """
@@ -27,6 +29,7 @@ from composer.models import ComposerModel
 from torchmetrics import MeanSquaredError
 
 from compat.diffusers import DiagonalGaussianDistribution
+from models.draw_keys import check_train_draws, draw_seeds, sample_indices
 from models.eval_timesteps import FixedTimestepLoss, check_eval_timesteps, level_indices
 from models.pixels import to_float
 
@@ -40,6 +43,9 @@ class LatentDiffusion(ComposerModel):
     denoiser_name = "unet"  # the trained network's attribute: "unet" or "transformer"
     frozen_names: tuple[str, ...] = ("vae", "text_encoder")  # frozen parts, kept in eval mode
     extra_context_tokens = 0  # context tokens the batch does not show (mmdit: T5's)
+    train_draws = "rank"  # training's draws: "rank" (the global RNG) or "sample" (models/draw_keys.py)
+    # (run seed, batch index) for train_draws="sample": extensions/sample_draws.py sets it each batch.
+    draw_key: tuple[int, int] | None = None
 
     def __init__(self, objective, caption_drop_prob: float = 0.0):
         super().__init__()
@@ -52,6 +58,7 @@ class LatentDiffusion(ComposerModel):
         # The family's condition for the empty caption, per device (made from `empty_stored`); cleared
         # when the text encoders' weights or the empty caption change.
         self._empty: dict = {}
+        self._sample_drop: torch.Tensor | None = None  # this step's per-sample caption dropout (_diffuse)
 
     def frozen_parts(self) -> list[torch.nn.Module]:
         return [m for m in (getattr(self, name, None) for name in self.frozen_names) if m is not None]
@@ -94,6 +101,8 @@ class LatentDiffusion(ComposerModel):
         """Which samples' captions caption dropout replaces by the empty caption's (training only)."""
         if not self.training or self.caption_drop_prob == 0.0:
             return torch.zeros(n, dtype=torch.bool, device=device)
+        if self._sample_drop is not None:  # drawn per sample (train_draws="sample")
+            return self._sample_drop
         return torch.rand(n, device=device) < self.caption_drop_prob
 
     def set_empty_caption(self, stored: dict[str, torch.Tensor] | None) -> None:
@@ -146,24 +155,55 @@ class LatentDiffusion(ComposerModel):
     def forward(self, batch):
         return self._diffuse(batch)
 
+    def set_train_draws(self, mode: str) -> None:
+        """Training's draws from the global RNG ("rank", Composer seeds it seed + rank) or keyed per
+        sample ("sample": models/draw_keys.py)."""
+        self.train_draws = check_train_draws(mode)
+
     def _diffuse(self, batch, seeds: list[int] | None = None):
         """(prediction, target, noise level) of the objective; the random draws come from the global
         RNG (the latent sample, caption dropout, then the objective's), or with `seeds` (one per
-        sample) from the objective's `seeded_draws`, with no caption dropout."""
+        sample, validation) from the objective's `seeded_draws`, with no caption dropout, or in
+        training with train_draws="sample" from the same per-sample draws keyed by `draw_key` and
+        each sample's index, caption dropout too."""
         moments = batch["latents"] if "latents" in batch else self.vae_moments(batch["image"])
         image_size = (moments.shape[-2] * self.vae_scale_factor, moments.shape[-1] * self.vae_scale_factor)
+        if seeds is None and self.training and self.train_draws == "sample":
+            return self._keyed_diffuse(batch, moments, image_size)
         if seeds is None:
             latents = self.sample_latents(moments)
             condition = self.condition(batch, True, image_size)
             draws = self.objective.draws(latents)
         else:
-            posterior = DiagonalGaussianDistribution(moments.float())
             levels = None
             if self.eval_timesteps is not None:
                 levels = self.eval_levels[level_indices(seeds, self.eval_timesteps)]
-            draws = self.objective.seeded_draws(seeds, posterior.mean.shape[1:], moments.device, levels)
-            latents = self.scale_latents(posterior.mean + posterior.std * draws["latent"])
+            latents, draws = self._seeded_latents(moments, seeds, levels)
             condition = self.condition(batch, False, image_size)
+        return self._denoised(latents, draws, condition, image_size)
+
+    def _keyed_diffuse(self, batch, moments, image_size):
+        if self.draw_key is None:
+            raise RuntimeError(
+                "model.train_draws=sample draws from the run's seed and the batch index, which the "
+                "trainer's extensions.sample_draws.SampleDraws callback sets; none has"
+            )
+        seeds, uniforms = draw_seeds(*self.draw_key, sample_indices(batch))
+        latents, draws = self._seeded_latents(moments, seeds)
+        self._sample_drop = torch.tensor(uniforms, device=moments.device) < self.caption_drop_prob
+        try:
+            condition = self.condition(batch, True, image_size)
+        finally:
+            self._sample_drop = None
+        return self._denoised(latents, draws, condition, image_size)
+
+    def _seeded_latents(self, moments, seeds, levels=None):
+        """The scaled latent sample and the objective's draws, from one generator per sample."""
+        posterior = DiagonalGaussianDistribution(moments.float())
+        draws = self.objective.seeded_draws(seeds, posterior.mean.shape[1:], moments.device, levels)
+        return self.scale_latents(posterior.mean + posterior.std * draws["latent"]), draws
+
+    def _denoised(self, latents, draws, condition, image_size):
         noisy, timesteps, target, level = self.objective.diffuse(latents, draws, image_size)
         dtype = self.denoiser_dtype
         prediction = self.denoise(noisy.to(dtype), timesteps, in_dtype(condition, dtype))

@@ -32,6 +32,7 @@ from extensions.checkpointing import install_atomic_checkpoint_writes
 from extensions.ema import find_ema
 from extensions.master_weights import MasterWeightAdamW, needs_masters
 from extensions.persistent_grads import PersistentGradients
+from extensions.sample_draws import SampleDraws
 from models import Autoencoder, build
 from models.build import check_pretrained
 from models.family import MODEL_CLASSES, of_model
@@ -221,6 +222,8 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
     callbacks = [instantiate(spec) for spec in run.callbacks.values()]
     if compiles_with_cudagraphs(run.model.get("compile_unet")):  # gradients out of the graphs' memory
         callbacks.append(PersistentGradients(model.denoiser))
+    if getattr(model, "train_draws", "rank") == "sample":  # the batch index its draws are keyed by
+        callbacks.append(SampleDraws(run.seed))
     if isinstance(model, (*MODEL_CLASSES.values(), Autoencoder)):  # every checkpoint says what it holds
         callbacks.append(ModelRecord(describe(model)))
     return dict(
