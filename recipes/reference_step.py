@@ -8,15 +8,28 @@ path's losses and weights bit for bit, and `bench/plain_loop.py` times it agains
 """
 
 
-def train_step(model, batch: dict, optimizer, scheduler=None, ema=None, step: int = 0, microbatches: int = 1):
+def train_step(
+    model,
+    batch: dict,
+    optimizer,
+    scheduler=None,
+    ema=None,
+    step: int = 0,
+    microbatches: int = 1,
+    seed: int = 0,
+):
     """Train `model` on one global batch (this process's part of it) and return the loss (a tensor
     on the model's device, so a GPU step never waits for the host).
 
     The batch is split into `microbatches` equal parts whose gradients add up (each loss scaled by
     its share of the batch, as Composer does), then the optimizer and the learning-rate schedule
     step once, and the EMA (extensions/ema.py) averages the new weights. `step`: the number of
-    batches trained before this one (the EMA starts and decays by batch count).
+    batches trained before this one (the EMA starts and decays by batch count). A model that draws
+    per sample (`model.train_draws: sample`) keys its draws by `seed` (the run's) and `step`, as
+    extensions/sample_draws.py tells it under Composer.
     """
+    if getattr(model, "train_draws", "rank") == "sample":
+        model.draw_key = (seed, step)
     model.train()
     optimizer.zero_grad(set_to_none=True)
     size = len(next(iter(batch.values())))

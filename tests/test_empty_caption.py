@@ -14,7 +14,7 @@ from convert.encoders import load_encoders
 from convert.latents import LatentsOptions, convert_latents, preset_columns
 from convert.storage import LocalStore
 from data.latent_dataset import EMPTY_CAPTION, LatentsDataset, load_empty_caption, read_empty_caption
-from data.loader import ImageCaptionDataConfig
+from data.loader import ImageCaptionDataConfig, collate
 from models import build_model
 from tests.s3_server import BUCKET, s3_server  # noqa: F401  (s3_server is a fixture)
 
@@ -43,8 +43,7 @@ def flux_set(shapes_mds, tmp_path_factory):
 
 def batch_of(out, n: int = 8) -> dict:
     dataset = LatentsDataset(local=str(out), resolution=RESOLUTION, batch_size=1, shuffle=False)
-    samples = [dataset[i] for i in range(n)]
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    return collate([dataset[i] for i in range(n)])  # as the data loader batches them
 
 
 def training_loss(model, batch, seed: int = 3) -> torch.Tensor:

@@ -16,7 +16,7 @@ from convert.common import ConvertError
 from convert.encoders import has_t5, load_encoders
 from convert.latents import columns, convert_latents, pixel_sizes, preset_columns
 from data.latent_dataset import LatentsDataset
-from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader
+from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader, collate
 from models import build_model
 from models.presets import PRESETS, size_multiple
 from models.tokenizer import build_t5_tokenizer
@@ -91,8 +91,11 @@ def test_stored_columns_and_shapes(tiny_latents):
     assert row[f"latents_{RESOLUTION}"].shape == (2 * spec["vae"]["latent_channels"], 8, 8)
     assert all(row[name].dtype == np.float16 for name in ("text_embeds", "pooled_text_embeds", "latents_32"))
     sample = LatentsDataset(resolution=RESOLUTION, local=str(tiny_latents), shuffle=False, batch_size=1)[0]
-    assert sample.keys() == {"latents", "text_embeds", "pooled_text_embeds"}
-    assert all(value.dtype == torch.float32 for value in sample.values())
+    assert sample.keys() == {"latents", "text_embeds", "pooled_text_embeds", "sample_index"}
+    assert sample["sample_index"] == 0  # its index in the set (models/draw_keys.py)
+    assert all(
+        sample[name].dtype == torch.float32 for name in ("latents", "text_embeds", "pooled_text_embeds")
+    )
 
 
 def test_mmdit_tiny_precomputed_latents_give_the_image_paths_loss(shapes_mds, tiny_latents):
@@ -113,10 +116,10 @@ def test_mmdit_tiny_precomputed_latents_give_the_image_paths_loss(shapes_mds, ti
         build_image_caption_dataloader(data_config(tiny_latents, latents=True), None, 1, 8).dataset
     )
     assert latents.keys() == images.keys() and len(images) == SAMPLES
-    assert next(iter(images.values())).keys() == {"image", "input_ids", "input_ids_2"}
+    assert next(iter(images.values())).keys() == {"image", "input_ids", "input_ids_2", "sample_index"}
     keys = sorted(images)
-    image_batch = default_collate([images[k] for k in keys])
-    stored = default_collate([latents[k] for k in keys])
+    image_batch = collate([images[k] for k in keys])
+    stored = collate([latents[k] for k in keys])
 
     clip, pooled = model.encode_clip(image_batch["input_ids"], image_batch["input_ids_2"])
     torch.testing.assert_close(stored["text_embeds"], clip, rtol=1e-2, atol=1e-3)
@@ -129,7 +132,7 @@ def test_mmdit_tiny_precomputed_latents_give_the_image_paths_loss(shapes_mds, ti
         for seed in (1, 2, 3):
             results = []
             for sample in (images[key], latents[key]):
-                batch = default_collate([sample])
+                batch = collate([sample])
                 torch.manual_seed(seed)
                 with torch.no_grad():
                     outputs = model(batch)
@@ -188,8 +191,8 @@ def test_a_folder_with_t5_stores_its_context(shapes_mds, tmp_path):
     model = build_model("mmdit-tiny", pretrained=str(folder), pretrained_components=T5_PARTS)
     rows = read_mds(out)[:4]
     dataset = LatentsDataset(resolution=16, local=str(out), shuffle=False, batch_size=1)
-    batch = default_collate([dataset[i] for i in range(len(rows))])
-    assert batch.keys() == {"latents", "text_embeds", "pooled_text_embeds", "text_embeds_3"}
+    batch = collate([dataset[i] for i in range(len(rows))])
+    assert batch.keys() == {"latents", "text_embeds", "pooled_text_embeds", "text_embeds_3", "sample_index"}
     assert rows[0]["text_embeds_3"].dtype == np.float16
     assert batch["text_embeds_3"].shape == (4, model.t5_tokens, 128) == (4, 8, 128)
     captions = [row["caption"] for row in rows]
@@ -230,7 +233,7 @@ def test_random_sd3_latents_have_what_sd3_medium_reads(tmp_path):
 
     with_t5 = prepare_random_latents(tmp_path / "t5", "sd3-medium", n=2, resolutions=(256,), t5=True)
     dataset = LatentsDataset(resolution=256, local=str(with_t5), shuffle=False, batch_size=2)
-    batch = default_collate([dataset[0], dataset[1]])
+    batch = default_collate([dataset[0], dataset[1]])  # every column a tensor, for the meta device
     assert batch["text_embeds_3"].shape == (2, 77, 4096)
     with torch.device("meta"):
         model = build_model("sd3-medium", caption_drop_prob=0.1)
@@ -245,7 +248,7 @@ def test_random_sd3_latents_have_what_sd3_medium_reads(tmp_path):
     tiny = tiny_model().train()
     local = prepare_random_latents(tmp_path / "tiny", "mmdit-tiny", n=2, resolutions=(32,))
     dataset = LatentsDataset(resolution=32, local=str(local), shuffle=False, batch_size=2)
-    batch = default_collate([dataset[0], dataset[1]])
+    batch = collate([dataset[0], dataset[1]])
     loss = tiny.loss(tiny(batch), batch)
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in tiny.transformer.parameters())

@@ -106,7 +106,7 @@ def test_precomputed_latents_give_the_image_path_s_loss(shapes_mds, tmp_path):
     images, latents = _images_and_latents(shapes_mds, out, model)
     assert latents.keys() == images.keys()
     sample = next(iter(images.values()))
-    assert sample.keys() == {"image", "input_ids", "input_ids_2", "input_ids_3"}
+    assert sample.keys() == {"image", "input_ids", "input_ids_2", "input_ids_3", "sample_index"}
     assert sample["input_ids_3"].shape == (8,) and sample["input_ids_3"].dtype == torch.int64
     assert next(iter(latents.values()))["text_embeds_3"].shape == (8, 128)
 

@@ -98,7 +98,14 @@ def test_micro_conditioning_of_a_square_crop(converted):
     samples = by_key(dataset)
     expected = {"wide": (0, 24), "small": (0, 2)}
     for key, sample in samples.items():
-        assert sample.keys() == {"image", "input_ids", "input_ids_2", "original_size", "crop_top_left"}
+        assert sample.keys() == {
+            "image",
+            "input_ids",
+            "input_ids_2",
+            "original_size",
+            "crop_top_left",
+            "sample_index",
+        }
         assert sample["original_size"].dtype == sample["crop_top_left"].dtype == torch.int64
         assert sample["original_size"].tolist() == list(ORIGINAL[key])
         assert sample["crop_top_left"].tolist() == list(expected[key])
@@ -145,7 +152,7 @@ def test_without_the_flags_samples_are_as_before(converted, tmp_path):
         dataset = loader(converted / layout, tokenizer, layout).dataset
         for i in range(len(dataset)):
             sample, row = dataset[i], dataset.get_item(i)
-            assert sample.keys() == {"image", "input_ids"}
+            assert sample.keys() == {"image", "input_ids", "sample_index"}
             if layout == "plain":
                 assert torch.equal(sample["image"], square_pixels(row["image"], RESOLUTION))
             else:
@@ -174,7 +181,9 @@ def test_the_trainer_hands_each_model_its_keys(shapes_mds):
         dataset = kwargs["train_dataloader"].dataset
         assert dataset.micro_conditioning is sdxl
         assert dataset.tokenizer_2 is (kwargs["model"].tokenizer_2 if sdxl else None)
-        keys = {"image", "input_ids"} | ({"input_ids_2", "original_size", "crop_top_left"} if sdxl else set())
+        keys = {"image", "input_ids", "sample_index"} | (
+            {"input_ids_2", "original_size", "crop_top_left"} if sdxl else set()
+        )
         assert dataset[0].keys() == keys
 
 
