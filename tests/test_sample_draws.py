@@ -114,3 +114,12 @@ def test_draw_seeds_are_a_function_of_seed_batch_and_index():
     assert draw_seeds(0, 0, [2, 0, 1])[0] == [a[0][2], a[0][0], a[0][1]]
     assert len(set(a[0] + draw_seeds(1, 0, [0, 1, 2])[0] + draw_seeds(0, 1, [0, 1, 2])[0])) == 9
     assert all(0 <= u < 1 for u in a[1]) and all(0 <= s < 2**63 for s in a[0])
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mmdit-tiny"])
+def test_the_draw_cost_bench_prices_both_ways(preset, capsys):
+    from bench.draw_cost import main
+
+    main(["--preset", preset, "--resolution", "32", "--batch", "4", "--iters", "2", "--repeat", "1"])
+    line = capsys.readouterr().out
+    assert f"{preset} at 32 px, 4 x 4x8x8 latents on cpu" in line and "us a sample" in line, line
