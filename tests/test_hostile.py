@@ -150,6 +150,7 @@ CASES = [
         "model.timestep_shift is a rectified-flow opt",
     ),
     ("param dtype", {"model.param_dtype": "float16"}, "model.param_dtype='float16'; choose one of"),
+    ("train draws", {"+model.train_draws": "everywhere"}, "model.train_draws='everywhere'; choose one of"),
     ("attention", {"model.attention": "flash"}, "model: attention='flash'; choose 'sdpa' or 'math'"),
     ("fsdp wrap", {"model.fsdp_wrap": "everything"}, "model: fsdp_wrap='everything'; choose one of"),
     ("lora without base", {"+model.lora": "{rank: 4}"}, "model.lora trains an adapter on a pretrained"),

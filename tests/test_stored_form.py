@@ -10,6 +10,7 @@ import models.family as families
 from convert.encoders import load_encoders
 from convert.latents import _text_columns
 from data.latent_dataset import LatentsDataset
+from data.loader import collate
 from models import build_model, flops
 from models.flop_count import _BATCH, _count
 from models.stored_form import meta_ids, meta_parts, stored_shapes
@@ -54,7 +55,7 @@ def test_random_latents_are_what_convert_stores_and_the_model_trains_on(tmp_path
     real = _text_columns(load_encoders(preset, t5=t5), ["a red square"], "cpu")
     text = {k: v for k, v in samples[0].items() if k in real}
     assert {k: tuple(v.shape) for k, v in text.items()} == {k: v.shape[1:] for k, v in real.items()}
-    batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    batch = collate(samples)  # as the data loader batches them
     model = build_model(preset)
     loss = model.loss(model(batch), batch)
     assert torch.isfinite(loss)
