@@ -11,10 +11,17 @@ import numpy as np
 import torch
 from composer.core import Callback, State
 from composer.loggers import Logger
-from composer.utils import checkpoint, dist, format_name_with_dist, reproducibility
+from composer.utils import (
+    checkpoint,
+    dist,
+    format_name_with_dist,
+    format_name_with_dist_and_time,
+    reproducibility,
+)
 
 from common.atomic import atomic_path
 from compat.composer import take_loaded_rng_state
+from models.sharded_checkpoint import ShardedCheckpointError, check_complete
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +39,11 @@ class NaNGuard(Callback):
     itself does one more per batch for the sample count). So a non-finite loss never reaches the
     optimizer and the weights are still those of the last good batch: with `save_last_good`, they
     are saved (with optimizer, EMA, data position and RNG state) to
-    `{save_folder}/last-good-ba{N}-rank{R}.pt` before stopping, and the `latest` link points there,
-    so rerunning the command resumes from it. A remote (s3://) save_folder keeps it in the local
-    staging folder that the message names; it is not uploaded. `check_inf=False` stops on NaN only.
+    `{save_folder}/last-good-ba{N}-rank{R}.pt` (sharded: the checkpoint folder `ep{E}-ba{N}/`, kept
+    as it is when the interval checkpoint of that batch is there) before stopping, and the `latest`
+    link points there, so rerunning the command resumes from it. A remote (s3://) save_folder keeps it
+    in the local staging folder that the message names; it is not uploaded. `check_inf=False` stops
+    on NaN only.
     """
 
     def __init__(self, check_inf: bool = True, save_last_good: bool = True):
@@ -66,13 +75,47 @@ class NaNGuard(Callback):
         saver = next((cb for cb in state.callbacks if type(cb).__name__ == "CheckpointSaver"), None)
         if self.save_last_good and saver is not None and "://" not in str(saver.folder):
             folder = Path(format_name_with_dist(saver.folder, state.run_name))
-            path = checkpoint.save_checkpoint(state, str(folder / f"last-good-ba{batch - 1}-rank{{rank}}.pt"))
-            if path is not None:  # the rank that wrote the file (rank 0 without sharding)
-                _point_latest_at(saver, state, Path(path))
-                where = f"; the weights after batch {batch - 1} are saved in {path}"
+            saved = _save_last_good(state, saver, folder, batch - 1)
+            if saved is not None:
+                where = f"; the weights after batch {batch - 1} are saved in {saved}"
         message = f"loss is not finite at batch {batch}{where}"
         log.error(message)
         raise NonFiniteLossError(message)
+
+
+def _save_last_good(state: State, saver, folder: Path, batch: int) -> Path | None:
+    """Save the state after `batch` (the last good one) in `folder`; the checkpoint's path on the ranks
+    that hold it (rank 0 without sharding), else None, and the `latest` link pointing at it.
+
+    Sharded (FSDP2), Composer names the checkpoint's folder as the interval checkpoints' (`ep{E}-ba{B}`).
+    When the interval checkpoint of this batch is there whole already, it is this state (but for the
+    RNG, which it holds from before the bad batch's draws) and stays as it is: saving again would
+    rewrite its shard files in place, and a kill meanwhile would tear a complete checkpoint."""
+    if not state.fsdp_sharded_state_dict_enabled:
+        path = checkpoint.save_checkpoint(state, str(folder / f"last-good-ba{batch}-rank{{rank}}.pt"))
+        if path is not None:
+            _point_latest_at(saver, state, Path(path))
+        return None if path is None else Path(path)
+    assert state.fsdp_config is not None  # sharded state dicts come with one
+    prefix = str(folder / state.fsdp_config.sharded_ckpt_prefix_dir)
+    target = Path(format_name_with_dist_and_time(prefix, state.run_name, state.timestamp))
+    whole = torch.tensor([1.0 if _complete(target) else 0.0])
+    if dist.get_world_size() > 1:  # every rank saves or none does (the save is a collective)
+        whole = state.device.tensor_to_device(whole)
+        dist.all_reduce(whole, reduce_operation="MIN")
+    if not whole.item():
+        checkpoint.save_checkpoint(state, str(folder / f"last-good-ba{batch}-rank{{rank}}.pt"))
+    if dist.get_global_rank() == 0:
+        _point_latest_at(saver, state, target)
+    return target
+
+
+def _complete(folder: Path) -> bool:
+    try:
+        check_complete(folder)
+    except (ShardedCheckpointError, OSError):
+        return False
+    return True
 
 
 def _point_latest_at(saver, state: State, path: Path) -> None:

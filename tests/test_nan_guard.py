@@ -193,3 +193,57 @@ def test_a_nan_on_one_rank_stops_every_rank_together(shapes_mds, tmp_path):
     assert logs.count(f"loss is not finite at batch {bad}") >= 2, logs[-3000:]  # one per rank
     saved = torch.load(tmp_path / f"last-good-ba{bad - 1}-rank0.pt", weights_only=False)["state"]
     assert saved["timestamp"]["Timestamp"]["batch"] == bad - 1 and _finite(saved["model"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("interval", ["1000ba", "1ba"])
+def test_a_sharded_run_keeps_its_last_good_checkpoint_folder_and_resumes_from_it(
+    shapes_mds, tmp_path, interval
+):
+    """`parallelism.shard=2`: the last good state is a sharded checkpoint folder (Composer names it as
+    the interval checkpoints), named whole in the message and by the `latest` link; when the interval
+    checkpoint of that batch is there already (`1ba`) it is kept, not rewritten in place. Rerunning the
+    command without the poison resumes from it and finishes."""
+    from models.sharded_checkpoint import check_complete
+    from tests.resume_check import COMPOSER, run, train_env
+
+    bad = 3
+    cmd = [
+        COMPOSER,
+        "-n",
+        "2",
+        str(REPO / "train.py"),
+        str(REPO / "yamls/tiny-mmdit-cpu.yaml"),
+        f"data.train.local={shapes_mds / 'mds'}",
+        "~data.train.prepare",
+        "global_train_batch_size=16",
+        f"trainer.max_duration={BATCHES}ba",
+        f"trainer.save_folder={tmp_path}",
+        f"trainer.save_interval={interval}",
+        "trainer.autoresume=true",
+        "callbacks.samples=null",
+        "trainer.progress_bar=false",
+        "parallelism.shard=2",
+    ]
+    poison = f"+callbacks.poison={{_target_: tests.probes.PoisonBatch, batch: {bad}, rank: 1}}"
+    result = run([*cmd, poison], REPO, train_env(), timeout=300)
+    logs = result.stdout + result.stderr
+    assert result.returncode != 0, logs[-3000:]
+    folder = tmp_path / f"ep0-ba{bad - 1}"
+    assert (
+        f"loss is not finite at batch {bad}; the weights after batch {bad - 1} are saved in {folder}\n"
+        in logs
+    )
+    check_complete(folder)
+    assert (tmp_path / "latest-rank0.pt").resolve() == folder.resolve()
+    assert not (tmp_path / "latest-rank1.pt").exists()
+    if interval == "1ba":  # the interval checkpoint of batch 2, written before batch 3 began
+        folders = sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink())
+        assert folders == ["ep0-ba1", "ep0-ba2"]
+    metadata = (folder / ".metadata").stat().st_mtime_ns
+
+    again = run(cmd, REPO, train_env(), timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from {folder}, the newest complete checkpoint" in again.stderr
+    assert (folder / ".metadata").stat().st_mtime_ns == metadata
+    check_complete(tmp_path / f"ep1-ba{BATCHES}")
