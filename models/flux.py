@@ -35,8 +35,8 @@ import torch
 
 from models.conditioners import PooledCLIPAndT5
 from models.flop_count import flux_training_flops
-from models.latent_diffusion import LatentDiffusion, in_dtype
-from models.objectives import RectifiedFlow, forwarded
+from models.flow_model import FlowTransformer
+from models.latent_diffusion import in_dtype
 
 # FluxPipeline passes `timestep / 1000` (its scheduler's timesteps are sigmas x 1000) and the
 # transformer multiplies by 1000 again.
@@ -71,27 +71,15 @@ def image_ids(height: int, width: int, device=None) -> torch.Tensor:
     return ids.reshape(rows * columns, 3)
 
 
-class Flux(LatentDiffusion):
+class Flux(FlowTransformer):
     """`transformer` trains; the VAE and both text encoders are frozen and stay in eval mode.
 
     Objective options: as RectifiedFlowTransformer's (models/mmdit.py), timestep_density included.
     t5_tokens: T5's length, the context's. `eval_seed` seeds validation's random draws.
     """
 
-    denoiser_name = "transformer"
     conditioner = PooledCLIPAndT5()
     frozen_names = ("vae", "text_encoder", "text_encoder_2")
-    micro_conditioning = False
-    prediction_type = "flow_prediction"  # diffusers' name for the velocity target, noise - x0
-    zero_terminal_snr = False
-    default_guidance_rescale = 0.0
-
-    noise_scheduler = forwarded("scheduler")
-    timestep_mean = forwarded("timestep_mean")
-    timestep_std = forwarded("timestep_std")
-    timestep_shift = forwarded("timestep_shift")
-    loss_weighting = forwarded("loss_weighting")
-    timestep_density = forwarded("timestep_density")
 
     def __init__(
         self,
@@ -113,10 +101,10 @@ class Flux(LatentDiffusion):
         timestep_density: str | None = None,
         caption_drop_prob: float = 0.0,
     ):
-        objective = RectifiedFlow(
-            noise_scheduler, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density
-        )
-        super().__init__(objective, caption_drop_prob)
+        super().__init__(
+            noise_scheduler, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
+            caption_drop_prob,
+        )  # fmt: skip
         config = transformer.config
         latent_channels = vae.config.latent_channels * PATCH * PATCH
         widths = (text_encoder_2.config.d_model, text_encoder.config.hidden_size, latent_channels)
@@ -126,32 +114,19 @@ class Flux(LatentDiffusion):
                 f"T5's width, CLIP's pooled width and the packed latent channels are {widths}; the "
                 f"transformer takes {wanted} (joint_attention_dim, pooled_projection_dim, in_channels)"
             )
-        self.transformer = transformer
-        self.vae = vae.requires_grad_(False).eval()
-        self.text_encoder = text_encoder.requires_grad_(False).eval()
-        self.text_encoder_2 = text_encoder_2.requires_grad_(False).eval()
-        self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
-        # Buffers, so checkpoints carry them (a VAE trained here has its own scale).
-        self.register_buffer("latent_scale", torch.tensor(float(latent_scale)))
-        self.register_buffer("latent_shift", torch.tensor(float(latent_shift or 0.0)))
-        self.t5_tokens = int(t5_tokens)
-        # Sharding only the transformer: the frozen parts have no gradients or optimizer state.
-        self.transformer._fsdp_wrap = True
-        for frozen in (self.vae, self.text_encoder, self.text_encoder_2):
-            frozen._fsdp_wrap = False
+        self.set_parts(
+            transformer,
+            vae,
+            dict(text_encoder=text_encoder, text_encoder_2=text_encoder_2),
+            dict(tokenizer=tokenizer, tokenizer_2=tokenizer_2),
+            latent_scale,
+            latent_shift,
+            t5_tokens,
+        )
 
     def context_tokens(self, batch) -> int:
         """T5's tokens: the whole context, whichever ids or embeddings the batch holds."""
         return self.t5_tokens
-
-    # -- latents ---------------------------------------------------------------------------------
-    def scale_latents(self, sample: torch.Tensor) -> torch.Tensor:
-        """A VAE latent sample -> what the transformer models: (sample - shift) * scale."""
-        return (sample - self.latent_shift) * self.latent_scale
-
-    def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """The inverse, what the VAE decodes (as FluxPipeline decodes)."""
-        return latents / self.latent_scale + self.latent_shift
 
     # -- conditioning ----------------------------------------------------------------------------
     def encode_captions(self, captions: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,10 +195,6 @@ class Flux(LatentDiffusion):
         """(height, width) in pixels: the VAE's sample_size (FLUX.1's 1024, FluxPipeline's default)."""
         side = self.vae.config.sample_size
         return side, side
-
-    def sampling_scheduler(self, image_size: tuple[int, int]):
-        """The Euler sampler for images of `image_size`, with the shift training used there."""
-        return self.objective.sampler(image_size)
 
     def prompt_condition(
         self, prompts: list[str], negative_prompt: str | None, image_size=None, device=None

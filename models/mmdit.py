@@ -37,19 +37,19 @@ Batch keys: `image` (or `latents`: the VAE moments, as `sd-convert latents` stor
 (B, 77, 768 + 1280: the CLIP part, unpadded, as SDXL stores it: a quarter of the padded context) +
 `pooled_text_embeds` (B, 2048) (+ `text_embeds_3` (B, t5_tokens, 4096) with T5).
 
-Training draws its latent samples, caption dropout, noise and timesteps from the global RNG;
-validation (`eval_forward`) draws the latent sample, noise and timestep of each sample from a
-generator seeded by its content (LatentDiffusion.eval_seeds), so a checkpoint's validation loss is
-the same number every time.
+Training draws its latent samples, caption dropout, noise and timesteps from the global RNG (or
+keyed per sample with `train_draws: sample`, models/draw_keys.py); validation (`eval_forward`) draws
+the latent sample, noise and timestep of each sample from a generator seeded by its content
+(LatentDiffusion.eval_seeds), so a checkpoint's validation loss is the same number every time.
 """
 
 import torch
 import torch.nn.functional as F
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 from models.conditioners import CLIPsAndT5
 from models.flop_count import transformer_training_flops
-from models.latent_diffusion import LatentDiffusion, in_dtype
+from models.flow_model import FlowTransformer
+from models.latent_diffusion import in_dtype
 
 # The flow's names that models/build.py and tests import from here, where they lived before.
 from models.objectives import (  # noqa: F401
@@ -65,7 +65,7 @@ from models.objectives import (  # noqa: F401
 from models.tokenizer import tokenize_t5
 
 
-class RectifiedFlowTransformer(LatentDiffusion):
+class RectifiedFlowTransformer(FlowTransformer):
     """`transformer` trains; the VAE and text encoders are frozen and stay in eval mode.
 
     Objective options (see the module docstring): timestep_mean, timestep_std (the logit-normal's,
@@ -79,21 +79,8 @@ class RectifiedFlowTransformer(LatentDiffusion):
     `eval_seed` seeds validation's random draws.
     """
 
-    denoiser_name = "transformer"
     conditioner = CLIPsAndT5()  # both CLIPs and an optional T5 (models/conditioners.py)
     frozen_names = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
-    micro_conditioning = False  # no SDXL size conditioning: the data loader hands over no sizes
-    prediction_type = "flow_prediction"  # diffusers' name for the velocity target, noise - x0
-    zero_terminal_snr = False
-    default_guidance_rescale = 0.0
-
-    # The objective's options, which code and tests read (and set) on the model.
-    noise_scheduler = forwarded("scheduler")
-    timestep_mean = forwarded("timestep_mean")
-    timestep_std = forwarded("timestep_std")
-    timestep_shift = forwarded("timestep_shift")
-    loss_weighting = forwarded("loss_weighting")
-    timestep_density = forwarded("timestep_density")
 
     def __init__(
         self,
@@ -117,10 +104,10 @@ class RectifiedFlowTransformer(LatentDiffusion):
         timestep_density: str | None = None,
         caption_drop_prob: float = 0.0,
     ):
-        objective = RectifiedFlow(
-            noise_scheduler, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density
-        )
-        super().__init__(objective, caption_drop_prob)
+        super().__init__(
+            noise_scheduler, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
+            caption_drop_prob,
+        )  # fmt: skip
         if (text_encoder_3 is None) != (tokenizer_3 is None):
             raise ValueError("text_encoder_3 (T5) and tokenizer_3 come together: give both or neither")
         config = transformer.config
@@ -132,35 +119,20 @@ class RectifiedFlowTransformer(LatentDiffusion):
                 f"transformer takes up to {config.joint_attention_dim} and exactly "
                 f"{config.pooled_projection_dim}"
             )
-        self.transformer = transformer
-        self.vae = vae.requires_grad_(False).eval()
-        self.text_encoder = text_encoder.requires_grad_(False).eval()
-        self.text_encoder_2 = text_encoder_2.requires_grad_(False).eval()
-        self.text_encoder_3 = None if text_encoder_3 is None else text_encoder_3.requires_grad_(False).eval()
-        self.tokenizer, self.tokenizer_2, self.tokenizer_3 = tokenizer, tokenizer_2, tokenizer_3
-        # Buffers, so checkpoints carry them: a VAE trained here has its own scale (models/autoencoder.py).
-        self.register_buffer("latent_scale", torch.tensor(float(latent_scale)))
-        self.register_buffer("latent_shift", torch.tensor(float(latent_shift or 0.0)))
-        self.t5_tokens = int(t5_tokens)
-        # Sharding only the transformer: the frozen parts have no gradients or optimizer state.
-        self.transformer._fsdp_wrap = True
-        for frozen in (self.vae, self.text_encoder, self.text_encoder_2, self.text_encoder_3):
-            if frozen is not None:
-                frozen._fsdp_wrap = False
+        self.set_parts(
+            transformer,
+            vae,
+            dict(text_encoder=text_encoder, text_encoder_2=text_encoder_2, text_encoder_3=text_encoder_3),
+            dict(tokenizer=tokenizer, tokenizer_2=tokenizer_2, tokenizer_3=tokenizer_3),
+            latent_scale,
+            latent_shift,
+            t5_tokens,
+        )
 
     @property
     def extra_context_tokens(self) -> int:
         """T5's part of the context, which token ids and stored CLIP embeddings do not show."""
         return self.t5_tokens
-
-    # -- latents ---------------------------------------------------------------------------------
-    def scale_latents(self, sample: torch.Tensor) -> torch.Tensor:
-        """A VAE latent sample -> what the transformer models: (sample - shift) * scale."""
-        return (sample - self.latent_shift) * self.latent_scale
-
-    def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """The inverse, what the VAE decodes: latents / scale + shift (as the SD3 pipeline decodes)."""
-        return latents / self.latent_scale + self.latent_shift
 
     # -- conditioning ----------------------------------------------------------------------------
     def encode_clip(
@@ -243,25 +215,10 @@ class RectifiedFlowTransformer(LatentDiffusion):
         return {"encoder_hidden_states": context, "pooled_projections": pooled}
 
     # -- training --------------------------------------------------------------------------------
-    def shift_for(self, image_size: tuple[int, int]) -> float:
-        """The timestep shift for images of `image_size` (height, width) pixels, in training and in
-        sampling alike (RectifiedFlow.shift_for)."""
-        return self.objective.shift_for(image_size)
-
     def native_size(self) -> tuple[int, int]:
         """(height, width) in pixels the transformer is sized for: `generate`'s default, the export's."""
         side = self.transformer.config.sample_size * self.vae_scale_factor
         return side, side
-
-    def sampling_scheduler(self, image_size: tuple[int, int]) -> FlowMatchEulerDiscreteScheduler:
-        """The Euler sampler for images of `image_size` (height, width): the noise scheduler's config
-        with `shift_for(image_size)`, so sampling shifts as training did (models/export.py writes it
-        at `native_size()`)."""
-        return self.objective.sampler(image_size)
-
-    def sample_timesteps(self, normal: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
-        """Noise levels t in (0, 1) from standard normal draws: logit-normal, then shifted."""
-        return self.objective.sample_timesteps(normal, image_size)
 
     def denoise(self, noisy: torch.Tensor, timesteps: torch.Tensor, condition: dict) -> torch.Tensor:
         return self.transformer(hidden_states=noisy, timestep=timesteps, **condition).sample
