@@ -22,8 +22,10 @@ installing the carried wheels, the preflight and packing the results). The recip
   4-7. What each part of the step buys, and whether CUDA graphs hold with gradient accumulation (the
      recipe accumulates on 8-32 GPUs): 4 (~395 s): bf16 weights (90), FSDP per block (90), the
      recipe's step with 2 microbatches a batch (215); 5 (~305 s): 2x microbatch (90), compile + CUDA
-     graphs (215); 6 (~260 s): the EMA's storage variants (45), compile; 7 (~215 s): compile +
-     channels_last. No two compiled variants fit one run.
+     graphs (215); 6 (~260 s): the EMA's storage variants (45), compile; 7 (~430 s): compile +
+     channels_last (215), the recipe's step with per-sample training draws (215; against run 1's
+     361.8 img/s). No two compiled variants fit one run but run 7's (a guess: the same shapes, so
+     inductor's cache may serve the second).
 A variant's process took 90 s at 256 px and 75 s at 512 px on 2026-11-26 (python and imports,
 building sd2-base's UNet, VAE and text encoder, the data loader, 25 batches); compiling the recipe's
 step added 113-124 s (inductor's cache, /tmp/torchinductor_$USER, is shared by the processes but
@@ -80,6 +82,7 @@ from bench.gpu_runs import (  # noqa: E402
     COMPILED_STEP,
     FULL,
     FULL_2,
+    PER_SAMPLE,
     RUNS,
     composer,
     custom_jobs,
@@ -117,6 +120,9 @@ VARIANTS = {  # name -> overrides on top of the recipe; the first is the baselin
     FULL_2: [COMPILED_STEP, "TWO_MICROBATCHES"],
     "FSDP per block": [EAGER, FSDP],  # what sharding costs a model that fits (the recipe's reason for DDP)
     "2x microbatch": [EAGER, "MICROBATCH_X2"],
+    # Training draws keyed per sample (models/draw_keys.py: CPU generators, the host's time), what the
+    # sharded recipes use: whether sd2-base's compiled step can take them too (docs/benchmarks.md).
+    PER_SAMPLE: [COMPILED_STEP, "+model.train_draws=sample"],
 }
 # SDXL's recipe is FSDP (full shard, per block) with activation checkpointing: what each costs.
 SDXL_VARIANTS = {
@@ -138,6 +144,7 @@ SD3_VARIANTS = {
     "activation checkpointing, 2x microbatch": ["model.activation_checkpointing=blocks", "MICROBATCH_X2"],
     "2x microbatch": ["MICROBATCH_X2"],
     "compile": ["model.compile_unet=true"],
+    "rank draws (not per sample)": ["model.train_draws=rank"],  # what the recipe's per-sample draws cost
 }
 # Flux at full width and reduced depth (bench/depth_extrapolation.py: why, and why the extrapolation
 # per block is fair): the depths timed, 1 or 3 double-stream and 2 or 6 single-stream blocks (the

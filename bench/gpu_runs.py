@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 BASE = "eager step (_step=eager; sdpa, DDP / no wrapper on 1 GPU)"
 FULL = "compile + CUDA graphs + bf16 weights + channels_last"  # the recipe's step (yamls/_step/compiled.yaml)
 FULL_2 = f"{FULL}, 2 microbatches"  # with gradient accumulation: graphs replayed twice a batch
+PER_SAMPLE = f"{FULL}, per-sample draws"  # model.train_draws=sample (models/draw_keys.py)
 PLAIN = "plain PyTorch loop, 1 GPU (the ceiling)"
 BEST = "run 1's best"  # at 512 px: the fastest 256 px variant of run 1 (or of this run)
 E2E_CHECK = "e2e: train, save, resume (--deterministic), export, generate"
@@ -43,7 +44,7 @@ RUNS = {
         ("throughput", FULL_2, 256)],  # 90 + 90 + 215
     5: [("throughput", "2x microbatch", 256), ("throughput", "compile + CUDA graphs", 256)],  # 90 + 215
     6: [("ema", EMA_CHECK, None), ("throughput", "compile", 256)],  # 45 + 215
-    7: [("throughput", "compile, channels_last", 256)],  # 215
+    7: [("throughput", "compile, channels_last", 256), ("throughput", PER_SAMPLE, 256)],  # 215 + 215
 }  # fmt: skip
 # Seconds per job on one H100 (gpu_check's docstring): a variant's process per size, compiling, the rest.
 # Measured on 2026-11-26 (runs 1 and 3): a variant's process 90 s at 256 px, 75 at 512; compiling the

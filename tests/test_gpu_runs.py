@@ -76,10 +76,12 @@ def fake_jobs(monkeypatch, tmp_path, ran: list, seconds: dict | None = None, clo
             (256, 512),
             ["compile"],
             [(256, "base"), (256, "compile"), (256, "compile + CUDA graphs"), (256, "compile, channels_last"),
-             (256, gpu_runs.FULL), (256, gpu_runs.FULL_2), (512, "base"), (512, "compile"), "plain"],
+             (256, gpu_runs.FULL), (256, gpu_runs.FULL_2), (256, gpu_runs.PER_SAMPLE), (512, "base"),
+             (512, "compile"), "plain"],
         ),
         ((256,), ["bf16"],
-         [(256, "base"), (256, "bf16 weights"), (256, gpu_runs.FULL), (256, gpu_runs.FULL_2), "plain"]),
+         [(256, "base"), (256, "bf16 weights"), (256, gpu_runs.FULL), (256, gpu_runs.FULL_2),
+          (256, gpu_runs.PER_SAMPLE), "plain"]),
         ((512,), ["2x"], [(512, "base"), (512, "2x microbatch")]),  # no 256 px best: the chosen ones
     ],
 )  # fmt: skip
