@@ -33,7 +33,8 @@ import torch
 from composer.core import Algorithm, Event, State, Time, TimeUnit
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from compat.torch import free_gathered_weights, uses_orig_params
+from compat.torch import uses_orig_params
+from extensions import ema_fsdp1 as fsdp1
 from extensions import ema_sharded
 from extensions.ema_offload import ChunkedOffload, CudaCopy
 from extensions.master_weights import master_of
@@ -53,15 +54,6 @@ def _batches(value, name: str) -> int:
     return time.value
 
 
-def _drop_gathered_weights(root: torch.nn.Module) -> None:
-    """Make FSDP gather the shards again at the next forward. It keeps gathered weights after a
-    forward when it expects a backward (SHARD_GRAD_OP, the root; also after a no-grad evaluation),
-    and a forward reuses them, so weights written into the shards meanwhile would go unseen.
-    Unsharded handles (NO_SHARD: FSDP's choice on one process) have nothing to drop: their
-    parameters are the flat parameter itself, not a gathered copy."""
-    free_gathered_weights(root)
-
-
 def _dense_strides(p: torch.Tensor) -> tuple[int, ...]:
     """`p`'s own strides when it is dense in any dim order (channels-last too), as `empty_like(p)`
     keeps them; else row-major. Worked out from the numbers: an empty_like on the meta device made a
@@ -79,13 +71,6 @@ def _dense_strides(p: torch.Tensor) -> tuple[int, ...]:
         strides.insert(0, step)
         step *= max(size, 1)
     return tuple(strides)
-
-
-def _strip_wrappers(name: str) -> str:
-    # DDP adds "module.", FSDP "_fsdp_wrapped_module." (activation checkpointing its own):
-    # checkpoints should not depend on how the model was wrapped.
-    name = name.removeprefix("module.")
-    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 class EMA(Algorithm):
@@ -190,7 +175,7 @@ class EMA(Algorithm):
             self._loaded = None
 
     def _bind(self, model: torch.nn.Module) -> None:
-        named = [(_strip_wrappers(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(fsdp1.strip_wrappers(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         sharded = [m for m in model.modules() if isinstance(m, FSDP)]
@@ -344,7 +329,7 @@ class EMA(Algorithm):
                 p.copy_(e)
         self._swapped = True
         if self._fsdp_root is not None:
-            _drop_gathered_weights(self._fsdp_root)
+            fsdp1.drop_gathered_weights(self._fsdp_root)
 
     @torch.no_grad()
     def swap_out(self) -> None:
@@ -366,7 +351,7 @@ class EMA(Algorithm):
             self._raw = None
         self._swapped = False
         if self._fsdp_root is not None:
-            _drop_gathered_weights(self._fsdp_root)
+            fsdp1.drop_gathered_weights(self._fsdp_root)
 
     @contextlib.contextmanager
     def averaged_weights(self):
@@ -388,40 +373,10 @@ class EMA(Algorithm):
             # saves shard by shard (it pickles an algorithm's state whole: Composer keeps it in a tuple).
             ema = ema_sharded.SHARDED
         elif self._fsdp_root is not None:
-            ema = self._gather_average()
+            ema = fsdp1.gather_average(self)
         else:
             ema = dict(zip(self._names, self._ema))
         return {"start_batch": self.start_batch, "ema": ema, "smoothing": self.smoothing}
-
-    @torch.no_grad()
-    def _gather_average(self) -> dict[str, torch.Tensor]:
-        """Under FSDP, the whole average on CPU (a collective: Composer calls state_dict on every
-        rank). The average goes into this rank's shards, FSDP gathers them, the raw ones return."""
-        tracked = set(self._names)
-        self.swap_in()
-        try:
-            with FSDP.summon_full_params(self._fsdp_root, writeback=False):
-                return {
-                    name: p.detach().to("cpu", self.storage, copy=True)
-                    for name, p in ((_strip_wrappers(n), p) for n, p in self._fsdp_root.named_parameters())
-                    if name in tracked
-                }
-        finally:
-            self.swap_out()
-
-    @torch.no_grad()
-    def _scatter_average(self, full: dict[str, torch.Tensor]) -> None:
-        """Under FSDP, take this rank's shards of a whole average (the inverse of _gather_average)."""
-        raw = [p.detach().clone() for p in self._params]
-        _drop_gathered_weights(self._fsdp_root)  # gather what the shards hold now
-        with FSDP.summon_full_params(self._fsdp_root, writeback=True):
-            for n, p in self._fsdp_root.named_parameters():
-                if (name := _strip_wrappers(n)) in full:
-                    p.copy_(full[name])
-        for e, p, r in zip(self._ema, self._params, raw):
-            e.copy_(p)
-            p.copy_(r)
-        _drop_gathered_weights(self._fsdp_root)
 
     def load_state_dict(self, state: dict, strict: bool = False) -> None:
         # Composer loads checkpoints before FIT_START, when the parameters may not be final yet.
@@ -448,7 +403,7 @@ class EMA(Algorithm):
             raise KeyError(f"EMA checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
         self._allocate_from_params()
         if self._fsdp_root is not None:
-            self._scatter_average(state["ema"])
+            fsdp1.scatter_average(self, state["ema"])
             return
         for name, e in zip(self._names, self._ema):
             e.copy_(state["ema"][name])
