@@ -196,14 +196,12 @@ def test_a_nan_on_one_rank_stops_every_rank_together(shapes_mds, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("interval", ["1000ba", "1ba"])
-def test_a_sharded_run_keeps_its_last_good_checkpoint_folder_and_resumes_from_it(
-    shapes_mds, tmp_path, interval
-):
-    """`parallelism.shard=2`: the last good state is a sharded checkpoint folder (Composer names it as
-    the interval checkpoints), named whole in the message and by the `latest` link; when the interval
-    checkpoint of that batch is there already (`1ba`) it is kept, not rewritten in place. Rerunning the
-    command without the poison resumes from it and finishes."""
+def test_a_sharded_run_saves_its_last_good_checkpoint_folder_and_resumes_from_it(shapes_mds, tmp_path):
+    """`parallelism.shard=2`, no interval checkpoint: the guard saves the last good state as a sharded
+    checkpoint folder (Composer names it as the interval checkpoints), named whole in the message and
+    by the `latest` link (rank 0's, as Composer links sharded checkpoints). Rerunning the command
+    without the poison resumes from it and finishes. (An interval checkpoint of that batch already
+    there is kept: the test below.)"""
     from models.sharded_checkpoint import check_complete
     from tests.resume_check import COMPOSER, run, train_env
 
@@ -219,7 +217,7 @@ def test_a_sharded_run_keeps_its_last_good_checkpoint_folder_and_resumes_from_it
         "global_train_batch_size=16",
         f"trainer.max_duration={BATCHES}ba",
         f"trainer.save_folder={tmp_path}",
-        f"trainer.save_interval={interval}",
+        "trainer.save_interval=1000ba",  # none: the guard writes the folder
         "trainer.autoresume=true",
         "callbacks.samples=null",
         "trainer.progress_bar=false",
@@ -237,9 +235,6 @@ def test_a_sharded_run_keeps_its_last_good_checkpoint_folder_and_resumes_from_it
     check_complete(folder)
     assert (tmp_path / "latest-rank0.pt").resolve() == folder.resolve()
     assert not (tmp_path / "latest-rank1.pt").exists()
-    if interval == "1ba":  # the interval checkpoint of batch 2, written before batch 3 began
-        folders = sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink())
-        assert folders == ["ep0-ba1", "ep0-ba2"]
     metadata = (folder / ".metadata").stat().st_mtime_ns
 
     again = run(cmd, REPO, train_env(), timeout=300)
@@ -247,3 +242,33 @@ def test_a_sharded_run_keeps_its_last_good_checkpoint_folder_and_resumes_from_it
     assert f"resuming from {folder}, the newest complete checkpoint" in again.stderr
     assert (folder / ".metadata").stat().st_mtime_ns == metadata
     check_complete(tmp_path / f"ep1-ba{BATCHES}")
+
+
+def test_a_sharded_last_good_state_keeps_the_interval_checkpoint_of_its_batch(tmp_path, monkeypatch):
+    """Sharded, the guard's save would go into the interval checkpoint's folder of the same batch: a
+    complete one is kept as it is (rewriting its shards in place could tear it) and linked; a torn
+    one (no .metadata) is saved anew. One process, torch distributed checkpoint without a group."""
+    import torch.distributed.checkpoint as dcp
+    from composer.core import Timestamp
+
+    from extensions import callbacks
+
+    folder = tmp_path / "ep0-ba2"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(folder))
+    saves = []
+    monkeypatch.setattr(callbacks.checkpoint, "save_checkpoint", lambda state, name: saves.append(name))
+    state = SimpleNamespace(
+        fsdp_sharded_state_dict_enabled=True,
+        fsdp_config=SimpleNamespace(sharded_ckpt_prefix_dir="ep{epoch}-ba{batch}"),
+        run_name="run",
+        timestamp=Timestamp(epoch=0, batch=2),
+    )
+    saver = SimpleNamespace(
+        latest_filename=SimpleNamespace(format=lambda state: str(tmp_path / "latest-rank0.pt"))
+    )
+    assert callbacks._save_last_good(state, saver, tmp_path, 2) == folder
+    assert saves == [] and (tmp_path / "latest-rank0.pt").resolve() == folder.resolve()
+
+    (folder / ".metadata").unlink()  # a save cut short: not a checkpoint, saved again
+    assert callbacks._save_last_good(state, saver, tmp_path, 2) == folder
+    assert saves == [str(tmp_path / "last-good-ba2-rank{rank}.pt")]
