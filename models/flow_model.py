@@ -95,3 +95,20 @@ class FlowTransformer(LatentDiffusion):
         with `shift_for(image_size)`, so sampling shifts as training did (an export writes it at
         `native_size()`)."""
         return self.objective.sampler(image_size)
+
+    def sampling_size(self, sampler, guidance_rescale, height, width, multiple: int) -> tuple[int, int]:
+        """`generate`'s (height, width): the native size's where not given, each a multiple of
+        `multiple` (the VAE's factor x the patch size); and the DDPM samplers' options refused: a flow
+        samples with Euler steps alone ("euler" or None), with no guidance rescale (0 or None)."""
+        if sampler not in (None, "euler"):
+            raise ValueError(
+                f"sampler={sampler!r}: a flow model samples with flow-matching Euler steps ('euler')"
+            )
+        if guidance_rescale:
+            raise ValueError(
+                "guidance_rescale is not an option of flow sampling (the SD3 and Flux pipelines have none)"
+            )
+        height, width = height or self.native_size()[0], width or self.native_size()[1]
+        if height % multiple or width % multiple:
+            raise ValueError(f"height and width must be multiples of {multiple}, got {height} x {width}")
+        return height, width

@@ -244,19 +244,9 @@ class Flux(FlowTransformer):
         guidance, FluxPipeline's `guidance_scale`, and no second branch. An export's README.md says
         which. `sampler` is "euler" (or None); `guidance_rescale` must be 0 or None.
         """
-        if sampler not in (None, "euler"):
-            raise ValueError(
-                f"sampler={sampler!r}: a flux model samples with flow-matching Euler steps ('euler')"
-            )
-        if guidance_rescale:
-            raise ValueError("guidance_rescale is not an option of flow sampling (FluxPipeline has none)")
-        device = next(self.transformer.parameters()).device
         factor = self.vae_scale_factor
-        height, width = height or self.native_size()[0], width or self.native_size()[1]
-        if height % (factor * PATCH) or width % (factor * PATCH):
-            raise ValueError(
-                f"height and width must be multiples of {factor * PATCH}, got {height} x {width}"
-            )
+        height, width = self.sampling_size(sampler, guidance_rescale, height, width, factor * PATCH)
+        device = next(self.transformer.parameters()).device
         scheduler = self.sampling_scheduler((height, width))
         sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)  # FluxPipeline's
         scheduler.set_timesteps(sigmas=sigmas, device=device)

@@ -269,21 +269,10 @@ class RectifiedFlowTransformer(FlowTransformer):
         for it), the one sampler of a flow; `guidance_rescale` (a DDPM sampler's option) must be 0 or
         None. Height and width must be multiples of the VAE's factor x the patch size.
         """
-        if sampler not in (None, "euler"):
-            raise ValueError(
-                f"sampler={sampler!r}: an mmdit model samples with flow-matching Euler steps ('euler')"
-            )
-        if guidance_rescale:
-            raise ValueError(
-                "guidance_rescale is not an option of flow sampling (StableDiffusion3Pipeline has none)"
-            )
-        device = next(self.transformer.parameters()).device
         factor = self.vae_scale_factor
-        height = height or self.native_size()[0]
-        width = width or self.native_size()[1]
         multiple = factor * self.transformer.config.patch_size
-        if height % multiple or width % multiple:
-            raise ValueError(f"height and width must be multiples of {multiple}, got {height} x {width}")
+        height, width = self.sampling_size(sampler, guidance_rescale, height, width, multiple)
+        device = next(self.transformer.parameters()).device
         scheduler = self.sampling_scheduler((height, width))
         scheduler.set_timesteps(num_inference_steps, device=device)
 
