@@ -81,12 +81,12 @@ WHEELS = [
     "brotli==1.2.1",
     "python-snappy==0.7.3",
     "cramjam==2.14.0",
-    # diffusers and transformers at our pins; transformers 4.57.6 checks at import that tokenizers is
-    # >=0.22,<=0.23.0 and huggingface_hub >=0.34,<1.0 (the device has 0.23.2 and 1.33.0).
-    "diffusers==0.39.0",
-    "transformers==4.57.6",
-    "tokenizers==0.22.2",
-    "huggingface_hub==0.36.2",
+    # diffusers and transformers at our pins (the device's transformers 5.17, huggingface_hub 1.33 and
+    # tokenizers 0.23.2 are older than the lock's; what gpu-check measures is the stack we ship).
+    "diffusers==0.42.1",
+    "transformers==5.24.0",
+    "tokenizers==0.23.3",
+    "huggingface_hub==2.4.0",
     # Hydra (recipes/config.py) and omegaconf, which import the ANTLR 4.9 runtime their grammar needs.
     "hydra-core==1.3.8",
     "omegaconf==2.3.1",

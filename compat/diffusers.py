@@ -1,4 +1,4 @@
-"""diffusers names below its public API that we use, written for diffusers 0.39.0.
+"""diffusers names below its public API that we use, written for diffusers 0.42.1 (first for 0.39.0).
 
 `diffusers` exports the models, schedulers and pipelines; these live in submodules whose paths it
 may move between releases:

@@ -1,4 +1,4 @@
-"""torch internals we rely on, written for torch 2.7.0.
+"""torch internals we rely on, written for torch 2.14.1 (first for 2.7.0).
 
 - FSDP (FullyShardedDataParallel, the wrapper Composer 0.32 applies): a module's `_handle` (its
   FlatParamHandle, with `uses_sharded_strategy` and `needs_unshard()`) and
@@ -23,12 +23,13 @@
 
 - FSDP2 (`fully_shard`): `torch.distributed.fsdp._fully_shard._fsdp_collectives._get_gradient_divide_factors`,
   which `foreach_reduce` (same module, a global lookup) asks how to average gradients. For fp32 and
-  bf16 it answers (None, None): reduce-scatter within a copy, and for HSDP all-reduce across copies,
-  with `ReduceOp.AVG`. On gloo neither works: its reduce-scatter takes AVG and SUMs (measured: a
+  bf16 it answers with `ReduceOp.AVG` for the reduce-scatter within a copy and, for HSDP, the
+  all-reduce across copies. On gloo neither works: its reduce-scatter takes AVG and SUMs (measured: a
   1-D FSDP2 over 4 CPU ranks got 4x the unsharded model's gradients, so a CPU run trained at world
   size x the learning rate), and its all-reduce refuses it ("Cannot use ReduceOp.AVG with Gloo").
-  NCCL averages in both. `fsdp2_on_gloo` makes it answer (1, data-parallel ranks) for gloo groups:
-  both collectives SUM and the result is divided once, as FSDP2 itself does for fp16.
+  NCCL averages in both. `fsdp2_on_gloo` makes it answer as for `force_sum_reduction_for_comms` (its
+  argument since torch 2.8; the public `FSDPModule.set_force_sum_reduction_for_comms` sets it per
+  module, but Composer builds the modules) for gloo groups: both collectives SUM, one division after.
   Past that, HSDP on the CPU stops at an assert of `FSDPParamGroup.post_backward`
   (`all_reduce_event is not None`): the all-reduce's event is `torch.cpu.Stream.record_event()`,
   which returns None (the CPU "stream" exists for device-agnostic code). gloo's collectives there
@@ -98,18 +99,28 @@ def raise_recompile_limit(at_least: int) -> int:
 _TORCH_DIVIDE_FACTORS = _fsdp_collectives._get_gradient_divide_factors  # torch's own
 
 
-def _divide_factors_sum_on_gloo(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type=""):
-    factors = _TORCH_DIVIDE_FACTORS(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type)
-    if factors != (None, None):
-        return factors
+def _divide_factors_sum_on_gloo(
+    reduce_scatter_group,
+    all_reduce_group,
+    reduce_dtype,
+    device_type="",
+    factor=None,
+    force_sum_reduction_for_comms=False,
+):
     import torch.distributed as dist
 
     groups = [g for g in (reduce_scatter_group, all_reduce_group) if g is not None]
-    if all(dist.get_backend(g) != "gloo" for g in groups):
-        return factors
-    ranks = reduce_scatter_group.size() * (all_reduce_group.size() if all_reduce_group is not None else 1)
-    # No division before the collectives (a factor of 1 is skipped), SUM in both, one after.
-    return 1.0, float(ranks)
+    on_gloo = any(dist.get_backend(g) == "gloo" for g in groups)
+    # SUM in both collectives, one division after: torch's own rule for fp16 and for
+    # `set_force_sum_reduction_for_comms(True)`, asked for here on gloo groups only.
+    return _TORCH_DIVIDE_FACTORS(
+        reduce_scatter_group,
+        all_reduce_group,
+        reduce_dtype,
+        device_type,
+        factor,
+        force_sum_reduction_for_comms or on_gloo,
+    )
 
 
 def _record_cpu_event(stream) -> torch.cpu.Event:

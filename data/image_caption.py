@@ -31,7 +31,7 @@ from data.streaming_base import StreamingBase
 from data.transforms import Crop, SquareTransform, crop_top_left, square_crop
 from models.draw_keys import SAMPLE_INDEX
 from models.pixels import to_float
-from models.tokenizer import CaptionEncoder, tokenize_t5
+from models.tokenizer import tokenize, tokenize_t5
 
 TOKEN_CACHE_SIZE = 4096  # 4096 x 77 int64 = 2.5 MB per dataset
 
@@ -118,23 +118,13 @@ class ImageCaptionDataset(StreamingBase):
         self._token_ids_3 = functools.lru_cache(maxsize=TOKEN_CACHE_SIZE)(self._tokenize_3)
 
     def _tokenize(self, caption: str):
-        # The ids of `tokenize(self.tokenizer, [caption])[0]`, 3-5x faster (models/tokenizer.py).
-        return self._caption_encoder("_encoder", self.tokenizer)(caption)
+        return tokenize(self.tokenizer, [caption])[0]
 
     def _tokenize_2(self, caption: str):
-        return self._caption_encoder("_encoder_2", self.tokenizer_2)(caption)
+        return tokenize(self.tokenizer_2, [caption])[0]
 
     def _tokenize_3(self, caption: str):
-        # A fast (Rust) tokenizer already: no CaptionEncoder.
         return tokenize_t5(self.tokenizer_3, [caption], self.t5_tokens)[0]
-
-    def _caption_encoder(self, name: str, tokenizer) -> CaptionEncoder:
-        # Built at first use, in the process that tokenizes (a DataLoader worker).
-        encoder = self.__dict__.get(name)
-        if encoder is None or encoder.tokenizer is not tokenizer:
-            encoder = CaptionEncoder(tokenizer)
-            setattr(self, name, encoder)
-        return encoder
 
     def _flips(self, index: int) -> bool:
         return _flip_decision(index, max(self.next_epoch - 1, 0))

@@ -43,9 +43,9 @@ import logging
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 
 import models.family as families
-from compat.transformers import init_empty_weights
 from models.build import bundled_tokenizers
 from models.checkpoint_file import (
     CheckpointError,

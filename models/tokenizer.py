@@ -3,13 +3,10 @@
 Stable Diffusion 2 tokenizes with OpenCLIP's BPE (the same merges as OpenAI CLIP). open_clip_torch
 ships that vocabulary (`bpe_simple_vocab_16e6.txt.gz`), so we derive a transformers `CLIPTokenizer`
 from it instead of downloading `tokenizer/` from a hub. The result saves with `save_pretrained` and
-is what an exported diffusers pipeline carries.
-
-`CaptionEncoder` gives the same ids for one caption 3-5x faster (the data loader's tokenizer):
-the slow tokenizer's text clean-up (ftfy, whitespace, lower case; split on the special tokens) in
-Python, then the Rust BPE of `tokenizers` that transformers' CLIPTokenizerFast uses. The
-CLIPTokenizerFast itself is not a drop-in: it skips ftfy, so curly quotes, HTML entities and
-full-width characters come out as other ids than the slow tokenizer's (and SD2's) give.
+is what an exported diffusers pipeline carries. Since transformers 5 `CLIPTokenizer` is the Rust
+(`tokenizers`) one, the tokenizer diffusers' pipelines use: NFC, whitespace and lower-case clean-up but
+no ftfy, so curly quotes, HTML entities and full-width characters get other ids than open_clip's (and
+transformers 4's slow tokenizer's) gave; training and inference use the same one.
 
 `build_t5_tokenizer` is a T5 tokenizer built offline for the tiny T5 presets (`mmdit-tiny-t5`): no T5
 tokenizer files ship with transformers, and T5's sentencepiece model is a download. A `tokenizers`
@@ -20,22 +17,12 @@ exported pipeline and loads back with `from_pretrained`, as a real T5 tokenizer 
 
 import gzip
 import importlib.util
-import json
-import re
-import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 from transformers import CLIPTokenizer, T5TokenizerFast
 
-from compat.transformers import (
-    added_tokens_decoder,
-    added_tokens_encoder,
-    bytes_to_unicode,
-    convert_slow_tokenizer,
-    whitespace_clean,
-)
+from compat.transformers import bytes_to_unicode
 
 MAX_LENGTH = 77  # CLIP's context length
 # CLIP keeps the first 49152 - 256 - 2 lines of the BPE file (line 0 is a version header); the
@@ -52,14 +39,14 @@ def default_bpe() -> Path:
     return Path(spec.submodule_search_locations[0], "bpe_simple_vocab_16e6.txt.gz")
 
 
-def _vocab_and_merges() -> tuple[dict[str, int], str]:
+def _vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     lines = gzip.open(default_bpe()).read().decode("utf-8").split("\n")
     merges = lines[1 : _NUM_MERGES + 1]
     byte_tokens = list(bytes_to_unicode().values())
     tokens = byte_tokens + [t + "</w>" for t in byte_tokens]
     tokens += ["".join(m.split()) for m in merges]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
-    return {t: i for i, t in enumerate(tokens)}, "\n".join(["#version: 0.2", *merges])
+    return {t: i for i, t in enumerate(tokens)}, [tuple(m.split()) for m in merges]
 
 
 def build_tokenizer(pad_token: str = "!") -> CLIPTokenizer:
@@ -69,16 +56,7 @@ def build_tokenizer(pad_token: str = "!") -> CLIPTokenizer:
     with `<|endoftext|>` instead.
     """
     vocab, merges = _vocab_and_merges()
-    with tempfile.TemporaryDirectory() as tmp:
-        vocab_file, merges_file = Path(tmp, "vocab.json"), Path(tmp, "merges.txt")
-        vocab_file.write_text(json.dumps(vocab))
-        merges_file.write_text(merges)
-        return CLIPTokenizer(
-            vocab_file=str(vocab_file),
-            merges_file=str(merges_file),
-            pad_token=pad_token,
-            model_max_length=MAX_LENGTH,
-        )
+    return CLIPTokenizer(vocab=vocab, merges=merges, pad_token=pad_token, model_max_length=MAX_LENGTH)
 
 
 # The toy T5 vocabulary after <pad> (0), </s> (1) and <unk> (2): whole words of the synthetic shapes'
@@ -142,67 +120,3 @@ def tokenize(tokenizer: CLIPTokenizer, captions: list[str]):
         truncation=True,
         return_tensors="pt",
     ).input_ids
-
-
-class CaptionEncoder:
-    """caption -> (77,) LongTensor: exactly `tokenize(tokenizer, [caption])[0]`, 3-5x faster for a
-    slow `CLIPTokenizer` (0.1-0.2 instead of 0.5-0.7 ms a caption, one core).
-
-    It reproduces the slow tokenizer's steps: split on the added tokens ("!" for SD2, the start and
-    end tokens), ftfy.fix_text + whitespace clean-up + lower() on the rest, CLIP's word regex and
-    byte-level BPE (the Rust `tokenizers` model, built from this tokenizer's vocabulary and merges),
-    cut to 75 ids, start and end tokens, padding. Any other tokenizer (a fast one, one without ftfy,
-    added tokens that strip spaces), and a caption whose cleaned text holds "<|" (where the slow
-    tokenizer's regex may match a special token inside a word), go through `tokenize` itself.
-    Tested against it on a few hundred varied captions (tests/test_tokenizer.py).
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.backend = None
-        if (
-            type(tokenizer) is CLIPTokenizer
-            and tokenizer.fix_text is not None
-            and not getattr(tokenizer, "do_lower_case", False)
-            and not tokenizer.split_special_tokens
-            and tokenizer.padding_side == "right"
-            and tokenizer.truncation_side == "right"
-            and not any(
-                t.lstrip or t.rstrip or t.single_word for t in added_tokens_decoder(tokenizer).values()
-            )
-        ):
-            self.backend = convert_slow_tokenizer(tokenizer)
-            self.backend.normalizer = None  # done in Python, as the slow tokenizer does
-            self.added = dict(added_tokens_encoder(tokenizer))
-            longest_first = sorted(self.added, key=len, reverse=True)
-            self.split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")").split
-            self.fix_text = tokenizer.fix_text
-            self.bos, self.eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-            self.pad = tokenizer.pad_token_id
-
-    def __getstate__(self):  # a DataLoader worker started by spawn rebuilds the backend
-        return {"tokenizer": self.tokenizer}
-
-    def __setstate__(self, state):
-        self.__init__(state["tokenizer"])
-
-    def __call__(self, caption: str) -> torch.Tensor:
-        if self.backend is None:
-            return tokenize(self.tokenizer, [caption])[0]
-        ids = [self.bos]
-        for chunk in self.split(caption):
-            if chunk in self.added:
-                ids.append(self.added[chunk])
-            elif chunk:
-                if chunk.isascii() and chunk.isprintable() and "&" not in chunk:
-                    # ftfy leaves printable ASCII without HTML entities as it is (tested); skipping
-                    # it halves the time of a typical caption.
-                    text = " ".join(chunk.split()).lower()
-                else:
-                    text = whitespace_clean(self.fix_text(chunk)).lower()
-                if "<|" in text:
-                    return tokenize(self.tokenizer, [caption])[0]
-                ids += self.backend.encode(text, add_special_tokens=False).ids
-        ids = ids[: MAX_LENGTH - 1] + [self.eos]
-        ids += [self.pad] * (MAX_LENGTH - len(ids))
-        return torch.from_numpy(np.array(ids, dtype=np.int64))

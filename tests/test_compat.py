@@ -91,7 +91,7 @@ RELIED_ON = [
     ("streaming:StreamingDataset", "_iterator", ASSIGNED),
     ("streaming:StreamingDataset", "_executor", ASSIGNED),
     ("streaming.base.dataset:_Iterator", "exit", ()),
-    # torch 2.7.0 (compat/torch.py)
+    # torch 2.14.1 (compat/torch.py)
     ("torch.distributed.fsdp", "FullyShardedDataParallel", None),
     ("torch.distributed.fsdp:FullyShardedDataParallel", "fsdp_modules", ("module",)),
     ("torch.distributed.fsdp:FullyShardedDataParallel", "_handle", ASSIGNED),
@@ -103,7 +103,14 @@ RELIED_ON = [
     (
         "torch.distributed.fsdp._fully_shard._fsdp_collectives",
         "_get_gradient_divide_factors",
-        ("reduce_scatter_group", "all_reduce_group", "reduce_dtype", "device_type"),
+        (
+            "reduce_scatter_group",
+            "all_reduce_group",
+            "reduce_dtype",
+            "device_type",
+            "factor",
+            "force_sum_reduction_for_comms",
+        ),
     ),
     ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_reduce", None),  # looks it up
     ("torch.cpu:Stream", "record_event", ()),
@@ -132,14 +139,9 @@ RELIED_ON = [
     ("torch._dynamo", "config", None),
     ("torch._dynamo.config", "recompile_limit", None),
     ("torch.nn:Module", "_compiled_call_impl", ASSIGNED),
-    # transformers 4.57.6 (compat/transformers.py)
-    ("transformers.tokenization_utils:PreTrainedTokenizer", "_added_tokens_decoder", ASSIGNED),
-    ("transformers.tokenization_utils:PreTrainedTokenizer", "_added_tokens_encoder", ASSIGNED),
-    ("transformers.convert_slow_tokenizer", "convert_slow_tokenizer", ("transformer_tokenizer",)),
-    ("transformers.integrations.accelerate", "init_empty_weights", ()),
-    ("transformers.models.clip.tokenization_clip", "bytes_to_unicode", ()),
-    ("transformers.models.clip.tokenization_clip", "whitespace_clean", ("text",)),
-    # diffusers 0.39.0 (compat/diffusers.py)
+    # transformers 5.24.0 (compat/transformers.py)
+    ("transformers.convert_slow_tokenizer", "bytes_to_unicode", ()),
+    # diffusers 0.42.1 (compat/diffusers.py)
     ("diffusers.models.attention_processor", "Attention", None),
     ("diffusers.models.attention_processor", "AttnProcessor", ()),
     ("diffusers.models.attention_processor", "AttnProcessor2_0", ()),

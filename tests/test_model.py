@@ -31,7 +31,7 @@ def test_sd2_base_has_the_published_schedule():
     ],
 )
 def test_other_published_architectures(preset, unet, text_encoder, prediction, pad):
-    from compat.transformers import init_empty_weights
+    from accelerate import init_empty_weights
 
     with init_empty_weights():  # parameters on the meta device: no memory, no init time
         model = build_model(preset)

@@ -321,7 +321,8 @@ def test_a_folder_without_zeros_for_the_empty_prompt_keeps_its_unconditional_bra
     tuned.eval()
     expected = tuned.generate(PROMPTS, seed=5, **SAMPLING)
     reference = _pipeline(tmp_path / "no-zeros")
-    torch.testing.assert_close(_pipe_images(reference, seed=5), expected, atol=1e-6, rtol=0)
+    # 2e-6: on torch 2.14 one value of 6,144 differs by 1.04e-6 (float32 rounding of another op order)
+    torch.testing.assert_close(_pipe_images(reference, seed=5), expected, atol=2e-6, rtol=0)
     assert describe(tuned)["force_zeros_for_empty_prompt"] is False
     export.main([str(_checkpoint_of(tuned, tmp_path / "ckpt.pt")), str(tmp_path / "export")])
     assert _pipeline(tmp_path / "export").config.force_zeros_for_empty_prompt is False
