@@ -7,7 +7,9 @@ Python 3.12 holds torch 2.11.0+cu130, torchvision 0.26, transformers 5.17, token
 huggingface_hub 1.33, torchmetrics 1.9.0, numpy 2.5.2 and ~190 other packages (DEVICE_PACKAGES), not
 our stack. bench/gpu_session.sh installs the wheels this script leaves in `.whl/` (git-ignored through
 .git/info/exclude; the device call carries it) with `pip install --no-deps --target /tmp/site`, beside
-the machine's own torch, the way the 2026-11-24 H100 run did it by hand.
+the machine's own torch, the way the 2026-11-24 H100 run did it by hand. Our lock's torch 2.14.1 is
+the same CUDA 13.0 build family as the device's 2.11.0+cu130, so the kit still carries no torch; a
+carried wheel's pin that requirements-overrides.txt lifts is accepted as `make install` accepts it.
 
 WHEELS: what our import path needs that the machine lacks, or holds at a version our pins exclude, each
 at requirements-lock.txt's version (tests/test_device_kit.py checks that): cp312 manylinux x86_64 or
@@ -45,6 +47,7 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "requirements-lock.txt"
+OVERRIDES = REPO / "requirements-overrides.txt"  # pins our engine declares and make install lifts
 CARRY_LIMIT_MIB = 64  # the device tool's cap on what travels: the working tree, shared/ and carried paths
 WARN_MIB = 48  # "well under" the cap: above this the run still succeeds, with a warning
 
@@ -87,6 +90,10 @@ WHEELS = [
     "transformers==5.24.0",
     "tokenizers==0.23.3",
     "huggingface_hub==2.4.0",
+    "httpx2==2.16.2",  # huggingface_hub 2's HTTP client (the httpx fork), with its transport
+    "httpcore2==2.16.2",
+    "truststore==0.10.5",  # httpx2 and httpcore2 verify TLS with the system store (hub downloads only)
+    "click==8.5.1",  # huggingface_hub 2 needs >=8.4.2; the device's click version is not recorded
     # Hydra (recipes/config.py) and omegaconf, which import the ANTLR 4.9 runtime their grammar needs.
     "hydra-core==1.3.8",
     "omegaconf==2.3.1",
@@ -204,6 +211,9 @@ def parse_pins(lines) -> dict[str, str]:
     return pins
 
 
+OVERRIDDEN = set(parse_pins(OVERRIDES.read_text().splitlines()))
+
+
 def wheel_list() -> dict[str, str]:
     return parse_pins(WHEELS)
 
@@ -296,7 +306,11 @@ def check(dest: Path) -> list[str]:
                 continue  # another Python, or an extra
             needed, spec = canonical(req.name), req.specifier
             if needed in wanted:
-                if not spec.contains(wanted[needed], prereleases=True):
+                if spec.contains(wanted[needed], prereleases=True):
+                    continue
+                if needed in OVERRIDDEN:  # as `make install` does: requirements-overrides.txt
+                    print(f"overridden: {needed} {wanted[needed]} ({name} declares {req})")
+                else:
                     problems.append(f"{name} needs {req}, but {needed}=={wanted[needed]} is carried")
             elif needed in DEVICE_PACKAGES:
                 version = DEVICE_VERSIONS.get(needed)
