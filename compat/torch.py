@@ -21,22 +21,6 @@
 - `nn.Module._compiled_call_impl`: set by `Module.compile()` (in place); tests check it
   (`is_compiled`).
 
-- FSDP2 (`fully_shard`): `torch.distributed.fsdp._fully_shard._fsdp_collectives._get_gradient_divide_factors`,
-  which `foreach_reduce` (same module, a global lookup) asks how to average gradients. For fp32 and
-  bf16 it answers with `ReduceOp.AVG` for the reduce-scatter within a copy and, for HSDP, the
-  all-reduce across copies. On gloo neither works: its reduce-scatter takes AVG and SUMs (measured: a
-  1-D FSDP2 over 4 CPU ranks got 4x the unsharded model's gradients, so a CPU run trained at world
-  size x the learning rate), and its all-reduce refuses it ("Cannot use ReduceOp.AVG with Gloo").
-  NCCL averages in both. `fsdp2_on_gloo` makes it answer as for `force_sum_reduction_for_comms` (its
-  argument since torch 2.8; the public `FSDPModule.set_force_sum_reduction_for_comms` sets it per
-  module, but Composer builds the modules) for gloo groups: both collectives SUM, one division after.
-  Past that, HSDP on the CPU stops at an assert of `FSDPParamGroup.post_backward`
-  (`all_reduce_event is not None`): the all-reduce's event is `torch.cpu.Stream.record_event()`,
-  which returns None (the CPU "stream" exists for device-agnostic code). gloo's collectives there
-  are synchronous, so an event that is already complete (`torch.cpu.Event`, whose waits do nothing)
-  is the truth; `fsdp2_on_gloo` makes CPU streams record one. tests/test_fsdp2_hsdp.py checks the
-  1-D and HSDP gradients against the unsharded model's, and that gloo still needs both.
-
 `torch._foreach_*` (extensions/ema.py, extensions/master_weights.py, extensions/persistent_grads.py) is
 left out: documented and stable in practice.
 """
@@ -46,7 +30,6 @@ from typing import Any
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._runtime_utils import _reshard
 
 _CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
@@ -94,42 +77,3 @@ def raise_recompile_limit(at_least: int) -> int:
 
     config.recompile_limit = max(config.recompile_limit, at_least)
     return config.recompile_limit
-
-
-_TORCH_DIVIDE_FACTORS = _fsdp_collectives._get_gradient_divide_factors  # torch's own
-
-
-def _divide_factors_sum_on_gloo(
-    reduce_scatter_group,
-    all_reduce_group,
-    reduce_dtype,
-    device_type="",
-    factor=None,
-    force_sum_reduction_for_comms=False,
-):
-    import torch.distributed as dist
-
-    groups = [g for g in (reduce_scatter_group, all_reduce_group) if g is not None]
-    on_gloo = any(dist.get_backend(g) == "gloo" for g in groups)
-    # SUM in both collectives, one division after: torch's own rule for fp16 and for
-    # `set_force_sum_reduction_for_comms(True)`, asked for here on gloo groups only.
-    return _TORCH_DIVIDE_FACTORS(
-        reduce_scatter_group,
-        all_reduce_group,
-        reduce_dtype,
-        device_type,
-        factor,
-        force_sum_reduction_for_comms or on_gloo,
-    )
-
-
-def _record_cpu_event(stream) -> torch.cpu.Event:
-    return torch.cpu.Event()  # complete at once: work on the CPU "stream" runs when it is issued
-
-
-def fsdp2_on_gloo() -> None:
-    """Make FSDP2 average gradients right over gloo (SUM, then divide once: gloo's reduce-scatter
-    SUMs when asked for AVG and its all-reduce refuses AVG; NCCL keeps AVG), and let HSDP run on the
-    CPU (CPU streams record a complete event for it to wait on). See the module docstring. Idempotent."""
-    _fsdp_collectives._get_gradient_divide_factors = _divide_factors_sum_on_gloo
-    torch.cpu.Stream.record_event = _record_cpu_event

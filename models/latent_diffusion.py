@@ -135,9 +135,9 @@ class LatentDiffusion(ComposerModel):
         ids = {name: value.to(device) for name, value in self.conditioner.ids(self, [""]).items()}
         return self.conditioner.encode(self, ids)
 
-    def load_state_dict(self, *args, **kwargs):
+    def load_state_dict(self, state_dict, *args, **kwargs):
         self._empty.clear()  # the text encoders' weights may change
-        return super().load_state_dict(*args, **kwargs)
+        return super().load_state_dict(_from_transformers_4(self, state_dict), *args, **kwargs)
 
     def caption_dropout(self, values: list[torch.Tensor], empty) -> list[torch.Tensor]:
         """`values` (a batch's condition tensors) with each sample's replaced, with probability
@@ -314,3 +314,20 @@ def in_dtype(condition: dict, dtype: torch.dtype) -> dict:
         else:
             cast[key] = value.to(dtype)
     return cast
+
+
+def _from_transformers_4(model: torch.nn.Module, state_dict: dict) -> dict:
+    """`state_dict` with a transformers 4 CLIPTextModel's keys (`text_encoder.text_model.embeddings...`,
+    in every checkpoint written before our move to transformers 5) renamed to transformers 5's, which
+    dropped the `text_model.` level of that class (not of CLIPTextModelWithProjection's): so a run
+    started on the old stack resumes, exports and generates on the new one."""
+    from transformers import CLIPTextModel
+
+    renames = [f"{name}.text_model." for name, part in model.named_children() if type(part) is CLIPTextModel]
+    if not any(key.startswith(tuple(renames)) for key in state_dict):
+        return state_dict
+    renamed = {}
+    for key, value in state_dict.items():
+        old = next((prefix for prefix in renames if key.startswith(prefix)), None)
+        renamed[key.replace(".text_model.", ".", 1) if old else key] = value
+    return renamed

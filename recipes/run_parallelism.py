@@ -7,7 +7,6 @@ import logging
 
 from composer.utils import dist
 
-from compat.torch import fsdp2_on_gloo
 from recipes.config import ConfigError
 from recipes.parallelism import Shape, composer_parallelism, resolve, shards
 from recipes.resume import loads_sharded
@@ -34,7 +33,6 @@ def with_parallelism(kwargs: dict, run, world_size: int) -> dict:
     config = composer_parallelism(shape, run.parallelism, bool(run.model.get("activation_checkpointing")))
     if config is None:
         return kwargs
-    fsdp2_on_gloo()  # gloo's reduce-scatter would sum, not average (compat/torch.py); NCCL unchanged
     # The Trainer builds the device mesh from the process group: one, also for a single process.
     dist.initialize_dist(run.trainer.get("device"), run.trainer.get("dist_timeout", 300.0))
     why = " (parallelism.shard=1: it resumes a sharded checkpoint)" if not shards(run.parallelism) else ""

@@ -1,10 +1,11 @@
 """Run by tests/test_fsdp2_hsdp.py under `composer -n 4` (tests/launch.py): torch FSDP2 (`fully_shard`)
 over gloo, on a 1-D mesh (4 shards) and a 2-D one (HSDP: 2 copies x 2 shards).
 
-Without compat.torch.fsdp2_on_gloo, gloo's reduce-scatter sums where FSDP2 asks it to average (the
-1-D mesh's gradients come out 4x the unsharded model's) and HSDP fails. With it, both meshes give the
-unsharded model's gradients of the same global batch. Writes `ok-rankN` (JSON: what gloo did
-without the shim, and the best of 5 step times per mesh) when every check held.
+Both meshes must give the unsharded model's gradients of the same global batch. On torch 2.7 gloo's
+reduce-scatter summed where FSDP2 asked it to average (the 1-D mesh's gradients came out 4x) and HSDP
+failed ("Cannot use ReduceOp.AVG with Gloo"), so a shim in compat/torch.py made both SUM and divide
+once; torch 2.14 does both right, and the shim is gone. Writes `ok-rankN` (JSON: the best of 5 step
+times per mesh) when every check held.
 """
 
 import json
@@ -16,9 +17,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from compat.torch import fsdp2_on_gloo  # noqa: E402
 
 WIDTH, BATCH = 64, 8  # BATCH samples per rank
 
@@ -62,20 +60,6 @@ def main(out: Path) -> None:
         "HSDP": init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard")),
     }
 
-    # Without the shim: gloo sums the 1-D mesh's gradients, and refuses HSDP's average.
-    net = sharded(meshes["1-D"])
-    step(net, mine)
-    ratio = (full_grads(net)["2.weight"] / want["2.weight"]).mean().item()
-    unshimmed_s = min(step(net, mine) for _ in range(5))  # what the shim's SUM and one divide cost
-    assert abs(ratio - world) < 1e-3, f"gloo's reduce-scatter now averages ({ratio:.4f}x): drop the shim"
-    try:
-        step(sharded(meshes["HSDP"]), mine)
-        refused = ""
-    except RuntimeError as error:
-        refused = str(error).splitlines()[0]
-    assert "AVG" in refused, f"HSDP on gloo no longer fails without the shim ({refused!r}): drop it"
-
-    fsdp2_on_gloo()
     got, times = {}, {}
     for name, mesh in meshes.items():
         net = sharded(mesh)
@@ -87,11 +71,7 @@ def main(out: Path) -> None:
             torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7, msg=f"{name}: {n}")
     for n in want:  # the two meshes add the same numbers in another order: a few last bits apart
         torch.testing.assert_close(got["HSDP"][n], got["1-D"][n], rtol=1e-6, atol=1e-8, msg=n)
-    report = {
-        "gloo_reduce_scatter_avg_gives": f"{ratio:.3f}x",
-        "hsdp_without_shim": refused,
-        "step_s": {**times, "1-D without the shim": unshimmed_s},
-    }
+    report = {"step_s": times}
     (out / f"ok-rank{rank}").write_text(json.dumps(report))
     dist.destroy_process_group()
 

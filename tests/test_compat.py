@@ -99,22 +99,6 @@ RELIED_ON = [
     ("torch.distributed.fsdp._flat_param:FlatParamHandle", "uses_sharded_strategy", None),
     ("torch.distributed.fsdp._flat_param:FlatParamHandle", "needs_unshard", ()),
     ("torch.distributed.fsdp._runtime_utils", "_reshard", ("state", "handle", "free_unsharded_flat_param")),
-    ("torch.distributed.fsdp._fully_shard", "_fsdp_collectives", None),
-    (
-        "torch.distributed.fsdp._fully_shard._fsdp_collectives",
-        "_get_gradient_divide_factors",
-        (
-            "reduce_scatter_group",
-            "all_reduce_group",
-            "reduce_dtype",
-            "device_type",
-            "factor",
-            "force_sum_reduction_for_comms",
-        ),
-    ),
-    ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_reduce", None),  # looks it up
-    ("torch.cpu:Stream", "record_event", ()),
-    ("torch.cpu", "Event", None),
     ("torch.utils._python_dispatch", "TorchDispatchMode", None),
     (
         "torch.utils._python_dispatch:TorchDispatchMode",

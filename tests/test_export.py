@@ -77,7 +77,7 @@ def test_default_is_ema_when_present(checkpoint, saved):
     ema = _ema(saved)
     assert all(torch.equal(v, ema[f"unet.{k}"]) for k, v in model.unet.state_dict().items())
     assert not model.unet.training and not any(p.is_meta for p in model.parameters())
-    assert model.text_encoder.text_model.embeddings.position_ids.tolist() == [list(range(77))]
+    assert model.text_encoder.embeddings.position_ids.tolist() == [list(range(77))]
 
 
 @pytest.mark.parametrize("algorithms", [[], [("EMA", {"start_batch": None, "ema": None})]])

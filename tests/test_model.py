@@ -271,3 +271,25 @@ def test_generate_is_seeded(sampler):
     c = model.generate(["a red circle"], num_inference_steps=3, seed=2, sampler=sampler)
     assert a.shape == (1, 3, 32, 32) and 0 <= a.min() and a.max() <= 1
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "sdxl-tiny", "flux-tiny"])
+def test_a_checkpoint_of_transformers_4_loads(preset):
+    """Checkpoints written before the move to transformers 5 name a CLIPTextModel's weights
+    `text_encoder.text_model.*` (5 dropped that level; CLIPTextModelWithProjection keeps it): they
+    still load, strictly, into every family that has one."""
+    torch.manual_seed(0)
+    state = build_model(preset).state_dict()
+    clip = [k for k in state if k.startswith("text_encoder.")]
+    assert clip and not any(k.startswith("text_encoder.text_model.") for k in state)
+    old = {
+        (k.replace("text_encoder.", "text_encoder.text_model.", 1) if k in clip else k): v
+        for k, v in state.items()
+    }
+    torch.manual_seed(1)
+    model = build_model(preset)
+    assert not model.text_encoder.embeddings.token_embedding.weight.equal(
+        state["text_encoder.embeddings.token_embedding.weight"]
+    )
+    model.load_state_dict(old, strict=True)
+    assert all(v.equal(state[k]) for k, v in model.state_dict().items())
