@@ -19,7 +19,8 @@ install: $(STAMP)
 
 # The lock is the whole resolved set (`make lock`), installed as it stands by uv (`uv pip sync`: no
 # resolving, so Composer's and streaming's stale pins cannot stop it; pip has no --override). uv fetches
-# in parallel: a fresh .venv took 45 s with an empty uv cache here, pip 6 min 36 s for the same lock.
+# in parallel: a fresh .venv took 161 s with an empty uv cache here (45 s without --compile-bytecode),
+# pip 6 min 36 s for the same lock.
 # --compile-bytecode as pip does: uv writes no .pyc by itself, and where PYTHONDONTWRITEBYTECODE is set
 # (this machine) every process then compiles what it imports: 20 s instead of 8 to import our packages.
 # tests/test_install.py checks that `pip check` finds nothing but requirements-overrides.txt's pins.
