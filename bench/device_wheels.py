@@ -63,8 +63,8 @@ WHEELS = [
     "graphql-core==3.2.6",
     "backoff==2.2.1",
     "websockets==11.0.3",  # its pure-python wheel: no cp312 build of 11.0.3 exists
-    "questionary==2.0.1",
-    "prompt-toolkit==3.0.36",
+    "questionary==1.10.0",
+    "prompt-toolkit==3.0.53",
     "wcwidth==0.9.4",
     "ruamel.yaml==0.19.1",
     "validators==0.36.0",

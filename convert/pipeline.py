@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import signal
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -169,6 +170,20 @@ def _run_in_worker(part: Part):
     return _attempt(part, _WORKER["job"], _worker_progress)
 
 
+def _forked_pool(ctx, processes: int, init: tuple):
+    """The worker pool, forked with SIGTERM at its default: a worker that Pool.terminate() reaches
+    before _init_worker has reset it would otherwise run the parent's handler (see there). A conversion
+    hung once in Pool.terminate's join of a worker (tests/test_convert_sources.py::test_folder in a
+    full run of the suite on a loaded machine, torch 2.14); this closes that window."""
+    main = threading.current_thread() is threading.main_thread()  # signal.signal works there only
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL) if main else None
+    try:
+        return ctx.Pool(processes, initializer=_init_worker, initargs=init)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def run_parts(todo: list[Part], job: Job, workers: int, bar: tqdm) -> Iterator[tuple]:
     if workers <= 1 or len(todo) <= 1:
         for part in todo:
@@ -178,7 +193,7 @@ def run_parts(todo: list[Part], job: Job, workers: int, bar: tqdm) -> Iterator[t
     ctx = mp.get_context("fork")
     counter, slots, shown = ctx.Value("q", 0), ctx.Value("i", 0), 0
     init = (job, counter, slots, os.getpid())
-    with ctx.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=init) as pool:
+    with _forked_pool(ctx, min(workers, len(todo)), init) as pool:
         results = pool.imap_unordered(_run_in_worker, todo)
         while True:
             try:

@@ -66,7 +66,7 @@ def test_the_metadata_check_flags_what_is_neither_carried_on_the_device_nor_left
         "boto3<2",  # LEFT_OUT
         "numpy>=1.17",  # on the device, in range
         "numpy<2.2",  # on the device, out of range, with a reason: a printed line
-        "tokenizers<=0.23.0,>=0.22.0",  # carried at a version in range
+        f"tokenizers>={pins['tokenizers']}",  # carried at a version in range
         "some-package-nobody-has>=1",
         "rich<13",  # carried, but at a version out of this range
         'pytest; extra == "test"',  # an extra: not needed
