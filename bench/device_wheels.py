@@ -105,6 +105,9 @@ WHEELS = [
     "peft==0.21.2",
     "open_clip_torch==3.3.0",
     "ftfy==6.3.1",
+    # model.fp8 (models/fp8.py, torchao.float8); transformers and diffusers import torchao whenever it
+    # is installed, so carrying it also keeps the device's import path the CPU's.
+    "torchao==0.18.0",
 ]
 SDIST_ONLY = {"antlr4-python3-runtime"}  # no wheel on the registry: `pip wheel` here, pure python
 

@@ -3,3 +3,5 @@
 run.py drives the stages (`python -m demo`), evaluate.py samples and judges a trained model, and
 classifier.py is the pixel classifier that judges. They use every other package; none uses them.
 """
+
+import compat.torchao  # noqa: F401  (first: quiets what importing torchao logs; compat/torchao.py)

@@ -1,5 +1,6 @@
 """Stable Diffusion ComposerModel, its presets, and the builders a run config picks by preset name."""
 
+import compat.torchao  # noqa: F401  (first: quiets what importing torchao logs; compat/torchao.py)
 from models.autoencoder import Autoencoder, build_autoencoder
 from models.build import build_model
 from models.mmdit import RectifiedFlowTransformer

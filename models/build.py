@@ -15,6 +15,7 @@ from compat.diffusers import AttnProcessor
 from models.draw_keys import check_train_draws
 from models.eval_timesteps import check_eval_timesteps
 from models.family import FLOW_OPTIONS, OBJECTIVE_OPTIONS, build_components, load_component
+from models.fp8 import convert_to_fp8, fp8_recipe
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
 from models.mmdit import LOSS_WEIGHTINGS, RectifiedFlowTransformer
 from models.objectives import TIMESTEP_DENSITIES
@@ -123,6 +124,7 @@ def build_model(
     activation_checkpointing: str | None = None,
     lora: dict | None = None,
     param_dtype: str | None = None,
+    fp8: bool | str = False,
     eval_timesteps: int | None = None,
     train_draws: str = "rank",
 ) -> StableDiffusion | RectifiedFlowTransformer:
@@ -168,6 +170,10 @@ def build_model(
         switches), so the forward and backward read them as they are; the run's AdamW keeps fp32
         master weights and moments (extensions/master_weights.py). The frozen VAE and text encoders
         stay as they are.
+    fp8: true (torchao's "rowwise" recipe), "tensorwise" or "rowwise_with_gw_hp" trains the
+        transformer blocks' attention and MLP matmuls in float8 (models/fp8.py: which layers, why);
+        transformer presets only; weights, checkpoints and exports stay high precision. Emulated
+        without CUDA, an error on a GPU older than sm_89. Default false.
     eval_timesteps: validate each sample at one of K evenly spaced timesteps (its eval seed picks
         which) and add the metric FixedTimestepLoss, MLPerf's Flux rule with K = 8
         (models/eval_timesteps.py); None: at a seeded random timestep.
@@ -178,7 +184,7 @@ def build_model(
     objective, pretrained_components, lora = _checked(
         preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
         zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
-        attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, eval_timesteps, train_draws,
+        attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, fp8, eval_timesteps, train_draws,
     )  # fmt: skip
     parts = _parts(preset, pretrained, pretrained_components)
     options = _objective(preset, parts, pretrained_components if pretrained else (), objective)
@@ -190,6 +196,8 @@ def build_model(
         # In place, channels-last kept. nn.Module's: diffusers' override warns of fp32 modules to
         # keep even when its list of them is empty (the UNet's and SD3 transformer's are).
         torch.nn.Module.to(denoiser, PARAM_DTYPES[param_dtype])
+    if fp8_recipe(fp8) is not None:  # after the weights' dtype, before FSDP units and compiling
+        convert_to_fp8(denoiser, fp8_recipe(fp8))
     configure_sharding(denoiser, fsdp_wrap, activation_checkpointing)
     if compile_unet:
         compile_denoiser(denoiser, compile_unet if isinstance(compile_unet, dict) else {})
@@ -221,7 +229,7 @@ def check_model_options(preset: str, **options) -> None:
 def _checked(
     preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
     zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
-    attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, eval_timesteps, train_draws,
+    attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, fp8, eval_timesteps, train_draws,
 ):  # fmt: skip
     """build_model's options checked: (objective keywords, components to load, LoRA options)."""
     if preset not in PRESETS:
@@ -252,6 +260,11 @@ def _checked(
     _check_switches(preset, pretrained_components, attention, lora, fsdp_wrap, activation_checkpointing)
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"model.param_dtype={param_dtype!r}; choose one of {list(PARAM_DTYPES)}")
+    if fp8_recipe(fp8) is not None and families.of(preset).denoiser != "transformer":
+        raise ValueError(
+            f"model.fp8 trains transformer presets (mmdit, flux); {preset!r} is a UNet, whose convolutions "
+            "torchao's Float8Linear does not cover"
+        )
     pretrained_components = _partners(preset, pretrained_components)
     _check_t5_tokenizer(preset, pretrained, pretrained_components)
     if "text_encoder_3" in pretrained_components and pretrained is None:

@@ -136,7 +136,7 @@ def _saved_bytes(denoiser, step, recomputed: list[torch.nn.Module]) -> tuple[int
 
 
 @functools.cache
-def _footprint(preset, resolution, bf16, lora_json, t5, fsdp_wrap, recomputed) -> Footprint:
+def _footprint(preset, resolution, bf16, lora_json, t5, fsdp_wrap, recomputed, fp8) -> Footprint:
     side = latent_size(preset, resolution)
     with torch.device("meta"):
         parts = build_components(preset)
@@ -151,6 +151,10 @@ def _footprint(preset, resolution, bf16, lora_json, t5, fsdp_wrap, recomputed) -
             add_lora(denoiser, **json.loads(lora_json))
     if bf16:
         torch.nn.Module.to(denoiser, torch.bfloat16)  # nn.Module's: diffusers' own warns needlessly
+    if fp8 is not None:  # torchao's Float8Linear, emulated: what it saves for the backward is the same
+        from models.fp8 import convert_to_fp8
+
+        convert_to_fp8(denoiser, fp8, emulate=True)
     networks = [p for p in parts.values() if isinstance(p, torch.nn.Module)]
     # Only the denoiser trains (the model class freezes the rest); of it, only an adapter under LoRA.
     trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
@@ -174,10 +178,12 @@ def footprint(
     t5: bool = False,
     fsdp_wrap: str = "blocks",
     recomputed: str | None = None,
+    fp8: str | None = None,
 ) -> Footprint:
     """`preset`'s footprint training at `resolution` px (square; a bucket of about as many pixels
     keeps about as much): bf16 activations or fp32, a LoRA adapter (`model.lora`, defaults filled in)
     as what trains, SD3's T5 loaded or not, FSDP units of `fsdp_wrap` granularity, and the units of
-    `recomputed` granularity ("blocks", "layers", models/sharding.py) recomputed in the backward."""
+    `recomputed` granularity ("blocks", "layers", models/sharding.py) recomputed in the backward, and
+    the blocks' linear layers in float8 under torchao's `fp8` recipe (models/fp8.py)."""
     lora_json = None if lora is None else json.dumps(lora, sort_keys=True)
-    return _footprint(preset, resolution, bf16, lora_json, t5, fsdp_wrap, recomputed)
+    return _footprint(preset, resolution, bf16, lora_json, t5, fsdp_wrap, recomputed, fp8)

@@ -146,6 +146,7 @@ def run_footprint(run, shard: int) -> Footprint:
     asks for it (`gradient_checkpointing`: diffusers' own, ResNet and transformer blocks; or, sharded,
     `model.activation_checkpointing`)."""
     from models.build import build_model
+    from models.fp8 import fp8_recipe
     from models.lora import check_lora_options
 
     options = inspect.signature(build_model).bind(**run.model)
@@ -168,6 +169,7 @@ def run_footprint(run, shard: int) -> Footprint:
             t5="text_encoder_3" in (model["pretrained_components"] or ()),
             fsdp_wrap=model["fsdp_wrap"],
             recomputed=recomputed,
+            fp8=fp8_recipe(model["fp8"]),
         )
     except ValueError as err:  # a resolution the preset's latents cannot take (models/flops.py)
         raise ConfigError(f"data.train.resolution={run.data.train.resolution}: {err}") from err

@@ -103,6 +103,8 @@ TINY_RUNS = {  # recipe, overrides: a UNet on whole batches, an MMDiT on microba
             "+trainer.device_train_microbatch_size=16",
         ],
     ),
+    # torchao's Float8Linear (emulated on the CPU) saves what it casts from, not the float8 casts
+    "mmdit-fp8": ("tiny-mmdit-cpu", ["+model.fp8=true"]),
 }
 
 
