@@ -157,7 +157,7 @@ def export_and_generate(checkpoint: Path, out: Path, timeout: float = 1800) -> t
         return [f"export failed: {done.stderr[-500:]}"], []
     from diffusers import StableDiffusionPipeline
 
-    pipe = StableDiffusionPipeline.from_pretrained(export, torch_dtype=torch.bfloat16).to("cuda")
+    pipe = StableDiffusionPipeline.from_pretrained(export, dtype=torch.bfloat16).to("cuda")
     image = pipe("a photo", num_inference_steps=10, height=256, width=256).images[0]
     image.save(out / "e2e-image.png")
     return [], [f"exported and generated {out / 'e2e-image.png'}"]

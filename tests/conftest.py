@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+import compat.torchao  # noqa: F401  (before any test module imports diffusers: compat/torchao.py)
+
 # Shrinks yamls/tiny-cpu.yaml to a seconds-long test run: a random VAE instead of the one the demo's
 # first stage trains (so no stage-1 run is needed), and the batch the 64-sample test set was sized for.
 # Sample grids (extensions/sample_grids.py) are tested on their own (tests/test_samples.py), not drawn at the

@@ -98,9 +98,7 @@ def test_the_tiny_flux_recipe_trains_in_float8_and_exports_the_high_precision_pi
     saved = torch.load(checkpoint, weights_only=False)["state"]["model"]
     assert all(type(v) is torch.Tensor and v.dtype == torch.float32 for v in saved.values())
     export.main([str(checkpoint), str(tmp_path / "export"), "--raw"])
-    pipe = FluxPipeline.from_pretrained(
-        tmp_path / "export", torch_dtype=torch.bfloat16, local_files_only=True
-    )
+    pipe = FluxPipeline.from_pretrained(tmp_path / "export", dtype=torch.bfloat16, local_files_only=True)
     exported = pipe.transformer
     assert not any(isinstance(m, Float8Linear) for m in exported.modules())
     weights = exported.state_dict()
