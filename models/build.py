@@ -15,6 +15,7 @@ from compat.diffusers import AttnProcessor
 from models.draw_keys import check_train_draws
 from models.eval_timesteps import check_eval_timesteps
 from models.family import FLOW_OPTIONS, OBJECTIVE_OPTIONS, build_components, load_component
+from models.flux_init import INITS, reference_init
 from models.fp8 import convert_to_fp8, fp8_recipe
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
 from models.mmdit import LOSS_WEIGHTINGS, RectifiedFlowTransformer
@@ -125,6 +126,7 @@ def build_model(
     lora: dict | None = None,
     param_dtype: str | None = None,
     fp8: bool | str = False,
+    init: str | None = None,
     eval_timesteps: int | None = None,
     train_draws: str = "rank",
 ) -> StableDiffusion | RectifiedFlowTransformer:
@@ -174,6 +176,10 @@ def build_model(
         transformer blocks' attention and MLP matmuls in float8 (models/fp8.py: which layers, why);
         transformer presets only; weights, checkpoints and exports stay high precision. Emulated
         without CUDA, an error on a GPU older than sm_89. Default false.
+    init: None (diffusers' own initialisation) or "reference": the MLPerf Flux.1 reference's rule for a
+        transformer trained from scratch (models/flux_init.py: Xavier linears, N(0, 0.02) embedder
+        MLPs, zeroed adaLN modulation and final layer); flux presets only, and never over a
+        pretrained transformer.
     eval_timesteps: validate each sample at one of K evenly spaced timesteps (its eval seed picks
         which) and add the metric FixedTimestepLoss, MLPerf's Flux rule with K = 8
         (models/eval_timesteps.py); None: at a seeded random timestep.
@@ -184,9 +190,12 @@ def build_model(
     objective, pretrained_components, lora = _checked(
         preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
         zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
-        attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, fp8, eval_timesteps, train_draws,
+        attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, fp8, init, eval_timesteps,
+        train_draws,
     )  # fmt: skip
     parts = _parts(preset, pretrained, pretrained_components)
+    if init == "reference":
+        reference_init(parts[denoiser_name(preset)])
     options = _objective(preset, parts, pretrained_components if pretrained else (), objective)
     denoiser = parts[denoiser_name(preset)]
     if lora is not None:
@@ -229,7 +238,8 @@ def check_model_options(preset: str, **options) -> None:
 def _checked(
     preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
     zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
-    attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, fp8, eval_timesteps, train_draws,
+    attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, fp8, init, eval_timesteps,
+    train_draws,
 ):  # fmt: skip
     """build_model's options checked: (objective keywords, components to load, LoRA options)."""
     if preset not in PRESETS:
@@ -266,6 +276,7 @@ def _checked(
             "torchao's Float8Linear does not cover"
         )
     pretrained_components = _partners(preset, pretrained_components)
+    _check_init(preset, init, pretrained, pretrained_components)
     _check_t5_tokenizer(preset, pretrained, pretrained_components)
     if "text_encoder_3" in pretrained_components and pretrained is None:
         raise ValueError(
@@ -276,6 +287,26 @@ def _checked(
         lora = check_lora_options(lora, pretrained, pretrained_components)
 
     return objective, pretrained_components, lora
+
+
+def _check_init(preset, init, pretrained, pretrained_components) -> None:
+    """model.init: a known rule, for a family that has it, on a denoiser trained from scratch."""
+    if init is None:
+        return
+    if init not in INITS:
+        raise ValueError(
+            f"model.init={init!r}; choose null (diffusers' initialisation) or one of {list(INITS)}"
+        )
+    if families.of(preset).name != "flux":
+        raise ValueError(
+            f"model.init={init} is the MLPerf Flux.1 reference's rule: flux presets only, not {preset!r}"
+        )
+    if pretrained is not None and denoiser_name(preset) in pretrained_components:
+        raise ValueError(
+            f"model.init={init} initialises a transformer trained from scratch, but this one loads from "
+            f"model.pretrained={pretrained}: leave model.init unset, or leave transformer out of "
+            "pretrained_components"
+        )
 
 
 def _check_t5_tokenizer(preset, pretrained, pretrained_components) -> None:
