@@ -101,6 +101,8 @@ def main(argv=None) -> int:
 
     if args.source == "latents":
         return _latents(args)
+    if args.source == "mlperf-flux":
+        return _mlperf_flux(args)
     work_dir = Path(args.work_dir).expanduser() if args.work_dir else default_work_dir(args.out)
     opts, cols = options(args), columns(args.source)
     try:
@@ -165,6 +167,24 @@ def _latents(args) -> int:
         return 130
     finally:
         group.close()
+    return _finished(report)
+
+
+def _mlperf_flux(args) -> int:
+    from convert.common import ConvertError
+    from convert.mlperf_flux import convert_mlperf_flux
+
+    try:
+        report = convert_mlperf_flux(
+            args.src, args.out, args.empty_encodings, args.preset, workers=args.workers,
+            work_dir=args.work_dir, progress=not args.no_progress, overwrite=args.overwrite,
+        )  # fmt: skip
+    except ConvertError as err:
+        print(f"sd-convert: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("sd-convert: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
     return _finished(report)
 
 

@@ -35,6 +35,7 @@ SOURCES = {
     "laion": "LAION-style metadata parquet(s) with URL + caption columns: downloads with img2dataset first",
     "coco": "a COCO captions json plus its image folder",
     "latents": "an MDS image-caption set (our output) -> VAE latents + text embeddings, fp16",
+    "mlperf-flux": "the MLPerf Flux.1 reference's preprocessed CC12M or COCO set -> the latents source's set",
 }
 
 
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="source", required=True, metavar="SOURCE", help="one of:")
     _image_sources(sub, _common())
     _latents_parser(sub)
+    _mlperf_parser(sub)
     return parser
 
 
@@ -291,6 +293,44 @@ def _latents_parser(sub) -> None:
     lat.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     lat.add_argument("--no-progress", action="store_true", help="no progress bar")
     lat.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _mlperf_parser(sub) -> None:
+    p = sub.add_parser("mlperf-flux", help=SOURCES["mlperf-flux"], description=MLPERF_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument(
+        "--src",
+        required=True,
+        help="the folder of data-*.arrow files (datasets' save_to_disk) the download made",
+    )
+    p.add_argument("--out", required=True, help="output folder, or s3://bucket/prefix")
+    p.add_argument(
+        "--empty-encodings",
+        help="the folder holding t5_empty.npy and clip_empty.npy (flux-1-empty-encodings), written beside "
+        "index.json for caption dropout",
+    )
+    p.add_argument(
+        "--preset", default="flux-schnell", help="the flux preset the set is for (default %(default)s)"
+    )
+    p.add_argument("--workers", type=_positive, default=1, help="processes converting files in parallel")
+    p.add_argument(
+        "--work-dir", help="local scratch folder: S3 upload staging (default: in the system temp dir)"
+    )
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+MLPERF_DESCRIPTION = """Convert the MLPerf Flux.1 reference's preprocessed data (mlcommons/training
+text_to_image README, "Preprocessing": flux-1-cc12m-preprocessed, flux-1-coco-preprocessed and
+flux-1-empty-encodings) into the set `sd-convert latents --preset flux-schnell` writes: latents_256
+(the VAE's mean and logvar), text_embeds (T5) and pooled_text_embeds (CLIP), bf16 stored as fp16
+(exact in fp16's range; rows beyond it are skipped), and for the COCO set each sample's eval_timestep,
+which validation uses. One input per Arrow file, restartable like every source:
+  sd-convert mlperf-flux --src /dataset/coco_preprocessed --out s3://bucket/coco-flux \
+      --empty-encodings /dataset/empty_encodings
+  sd-convert mlperf-flux --src /dataset/cc12m_preprocessed --out s3://bucket/cc12m-flux --workers 16 \
+      --empty-encodings /dataset/empty_encodings"""
 
 
 LATENTS_DESCRIPTION = """Run the frozen VAE and text encoder over an MDS image-caption set once and write

@@ -34,6 +34,7 @@ from models.draw_keys import SAMPLE_INDEX
 log = logging.getLogger(__name__)
 
 EMPTY_CAPTION = "empty_caption.safetensors"
+EVAL_TIMESTEP = "eval_timestep"  # models/eval_timesteps.py STORED
 # The stored form's columns (models/conditioners.py), which the empty caption's file holds too.
 TEXT_COLUMNS = ("text_embeds", "pooled_text_embeds", "text_embeds_3")
 
@@ -72,6 +73,8 @@ class LatentsDataset(StreamingBase):
             out["original_size"] = torch.tensor(sample["original_size"], dtype=torch.int64)
         if self.crop_column in sample:
             out["crop_top_left"] = torch.tensor(sample[self.crop_column], dtype=torch.int64)
+        if EVAL_TIMESTEP in sample:  # a set with its own fixed validation timesteps (MLPerf's COCO)
+            out[EVAL_TIMESTEP] = int(sample[EVAL_TIMESTEP])
         out[SAMPLE_INDEX] = int(index)  # training draws keyed per sample (models/draw_keys.py)
         return out
 

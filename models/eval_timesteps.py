@@ -40,6 +40,25 @@ def level_indices(seeds: list[int], k: int) -> torch.Tensor:
     return torch.tensor([seed % k for seed in seeds], dtype=torch.long)
 
 
+# A precomputed set's column of each sample's fixed timestep index (MLPerf's COCO set stores one:
+# convert/mlperf_flux.py); the dataset hands it over under this key.
+STORED = "eval_timestep"
+
+
+def stored_or_seeded(batch: dict, seeds: list[int], k: int) -> torch.Tensor:
+    """Each sample's fixed timestep index: the set's own (STORED) where it has one, else from its eval
+    seed. Stored ones must lie in 0 .. k - 1: MLPerf's are 0 .. 7, for k = 8."""
+    if STORED not in batch:
+        return level_indices(seeds, k)
+    stored = torch.as_tensor(batch[STORED]).long().cpu().reshape(-1)
+    if len(stored) and not bool(((stored >= 0) & (stored < k)).all()):
+        raise ValueError(
+            f"the validation set stores fixed timesteps {sorted(set(stored.tolist()))[:8]}, not all in "
+            f"0 .. {k - 1}: set model.eval_timesteps to the set's count (MLPerf's COCO set: 8)"
+        )
+    return stored
+
+
 class FixedTimestepLoss(Metric):
     """The mean over the fixed levels of each level's mean per-sample MSE (prediction against target,
     unweighted), over the levels that received samples. `levels`: the objective's `fixed_levels(K)`;

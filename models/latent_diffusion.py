@@ -30,7 +30,7 @@ from torchmetrics import MeanSquaredError
 
 from compat.diffusers import DiagonalGaussianDistribution
 from models.draw_keys import check_train_draws, draw_seeds, sample_indices
-from models.eval_timesteps import FixedTimestepLoss, check_eval_timesteps, level_indices
+from models.eval_timesteps import FixedTimestepLoss, check_eval_timesteps, stored_or_seeded
 from models.pixels import to_float
 
 
@@ -177,7 +177,7 @@ class LatentDiffusion(ComposerModel):
         else:
             levels = None
             if self.eval_timesteps is not None:
-                levels = self.eval_levels[level_indices(seeds, self.eval_timesteps)]
+                levels = self.eval_levels[stored_or_seeded(batch, seeds, self.eval_timesteps)]
             latents, draws = self._seeded_latents(moments, seeds, levels)
             condition = self.condition(batch, False, image_size)
         return self._denoised(latents, draws, condition, image_size)
