@@ -157,7 +157,7 @@ def _latents(args) -> int:
         report = convert_latents(
             args.src, args.out, args.resolutions, args.preset, args.pretrained, args.batch_size, args.device,
             workers=args.workers, work_dir=args.work_dir, progress=not args.no_progress,
-            overwrite=args.overwrite, group=group, t5=args.t5, recipe=recipe,
+            overwrite=args.overwrite, group=group, t5=args.t5, recipe=recipe, precision=args.precision,
         )  # fmt: skip
     except (ConvertError, OSError, ValueError) as err:
         print(f"sd-convert: error: {err}", file=sys.stderr)

@@ -271,6 +271,12 @@ def _latents_parser(sub) -> None:
     )
     lat.add_argument("--batch-size", type=_positive, default=16, help="images per forward pass (default 16)")
     lat.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        help="the encoders' weights and compute (default: bf16 for a flux preset, as the MLPerf Flux.1 "
+        "reference encodes, else fp32); the columns are fp16 either way",
+    )
+    lat.add_argument(
         "--t5",
         action="store_true",
         help="an mmdit preset (sd3-medium): also store T5's context (text_embeds_3) from --pretrained's "

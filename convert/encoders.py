@@ -47,10 +47,11 @@ class Encoders:
         self.text_encoder_3, self.tokenizer_3 = text_encoder_3, tokenizer_3
         self.t5_tokens = None if t5_tokens is None else int(t5_tokens)
 
-    def to(self, device) -> "Encoders":
+    def to(self, device, dtype: torch.dtype | None = None) -> "Encoders":
+        """On `device` (and cast to `dtype` when given), in eval mode."""
         for part in [self.vae, self.text_encoder_3, *(getattr(self, n) for n in self.conditioner.text_parts)]:
             if isinstance(part, torch.nn.Module):
-                part.to(device).eval()
+                part.to(device=device, dtype=dtype).eval()
         return self
 
 

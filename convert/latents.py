@@ -55,6 +55,7 @@ from data.buckets import bucket_crop, bucket_ratio, bucket_size, cover_crop
 from data.image_caption import original_size
 from data.latent_dataset import crop_column, latents_column
 from data.transforms import Crop
+from models.pixels import to_float
 from models.presets import PRESETS, bundled_t5, size_multiple
 
 log = logging.getLogger(__name__)
@@ -117,10 +118,10 @@ def _text_columns(model, captions: list[str], device) -> dict[str, np.ndarray]:
 def _encode(model, rows: list[dict], crops: list[dict], resolutions, device) -> list[dict]:
     captions = [row["caption"] for row in rows]
     text = _text_columns(model, captions, device)
-    latents = {}
+    latents, dtype = {}, model.vae.dtype  # fp32, or bf16 (--precision bf16: Flux's, as its reference)
     for r in resolutions:
         batch = torch.stack([c[r].pixels for c in crops]).to(device, non_blocking=True)
-        latents[r] = model.vae_moments(batch).half().cpu().numpy()
+        latents[r] = model.vae_moments(to_float(batch).to(dtype)).half().cpu().numpy()
     micro = getattr(model, "micro_conditioning", False)
     samples = []
     for j, row in enumerate(rows):
@@ -205,13 +206,26 @@ class LatentsOptions:
     compression: str | None = None
     shard_size_limit: int = 1 << 26
     recipe: RecipeModel | None = None  # --recipe: the seed and model section the encoders come from
+    precision: str = "fp32"  # the encoders' weights and compute: fp32, or bf16 (PRECISIONS)
 
     def digest(self, columns: dict) -> str:
         options = dataclasses.asdict(self)
         if options["recipe"] is None:  # so outputs written before --recipe existed keep their digest
             del options["recipe"]
+        if options["precision"] == "fp32":  # and those written before --precision
+            del options["precision"]
         blob = json.dumps([options, columns], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# --precision: the encoders' dtype. bf16 is the MLPerf Flux.1 reference's (its preprocessing loads the
+# VAE, T5 and CLIP in bf16: torchtitan 9603aa83 train.py, scripts/preprocess_flux_dataset.py), so the
+# flux presets default to it; the stored columns stay fp16, which holds bf16 values exactly in its range.
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def default_precision(preset: str) -> str:
+    return "bf16" if preset in PRESETS and families.of(preset).name == "flux" else "fp32"
 
 
 _LOADED: dict = {}  # (encoder settings, pid) -> (Encoders, device): built once per process
@@ -230,6 +244,7 @@ class Encoder:
     workers: int = 1  # processes per rank: with LOCAL_RANK, which GPU each one takes
     t5: bool = False  # an mmdit preset's T5 context too (--t5)
     recipe: RecipeModel | None = None  # --recipe: the encoders of the model it builds, not the preset's
+    precision: str = "fp32"  # bf16: the encoders cast to bf16, as the MLPerf Flux.1 reference runs them
 
     def process_index(self) -> tuple[int, int]:
         """(this process's index among the node's conversion processes, how many there are)."""
@@ -268,7 +283,7 @@ class Encoder:
                 if self.recipe is not None
                 else load_encoders(self.preset, self.pretrained, self.t5)
             )
-            _LOADED[key] = (encoders.to(device), device)
+            _LOADED[key] = (encoders.to(device, PRECISIONS[self.precision]), device)
             log.info("process %d of %d encodes on %s", index, processes, device)
         return _LOADED[key]
 
@@ -314,6 +329,7 @@ def convert_latents(
     group=None,
     t5: bool = False,
     recipe: RecipeModel | None = None,
+    precision: str | None = None,
 ) -> dict:
     """Encode the MDS image-caption set at `src` with `preset`'s frozen VAE and text encoder(s) (loaded
     from `pretrained`, a diffusers folder or hub id; random weights without it, for tests; an mmdit
@@ -321,7 +337,8 @@ def convert_latents(
     (a folder or s3:// URI), one input per source input; returns the run's report (convert.report).
     `workers` processes per rank of `group` (convert.ranks.launched_group) share the inputs.
     `recipe` (convert.encoders.recipe_model): encode with the model that run config builds instead,
-    its preset, model.pretrained and T5 taking the place of `preset`, `pretrained` and `t5`."""
+    its preset, model.pretrained and T5 taking the place of `preset`, `pretrained` and `t5`.
+    `precision`: the encoders' "fp32" or "bf16"; None: the family's (`default_precision`)."""
     from convert.pipeline import convert
     from convert.storage import open_store
 
@@ -332,10 +349,13 @@ def convert_latents(
         # it. (A family whose T5 is not optional, Flux, stores it as its `text_embeds`.)
         t5 = t5 or (preset in PRESETS and bundled_t5(preset) and families.of(preset).reads_t5)
         check_encoder_flags(preset, pretrained, t5)
+    precision = precision or default_precision(preset)
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision {precision}: choose one of {list(PRECISIONS)}")
     parts, buckets = source_parts(src)
     resolutions = tuple(resolutions)
-    options = LatentsOptions(resolutions, preset, pretrained, buckets, recipe=recipe)
-    encoder = Encoder(preset, pretrained, resolutions, batch_size, device, workers, t5, recipe)
+    options = LatentsOptions(resolutions, preset, pretrained, buckets, recipe=recipe, precision=precision)
+    encoder = Encoder(preset, pretrained, resolutions, batch_size, device, workers, t5, recipe, precision)
     cols = preset_columns(preset, list(resolutions), t5)
     empty_caption.forget()  # a new run: each process checks the output once more
     report = convert(

@@ -24,7 +24,7 @@ RESOLUTION = 32
 def convert(shapes_mds, out, preset, tmp_path, resolutions=(RESOLUTION,), **kwargs) -> dict:
     return convert_latents(
         str(shapes_mds / "mds"), str(out), list(resolutions), preset=preset, batch_size=32,
-        work_dir=tmp_path / "work", progress=False, **kwargs,
+        work_dir=tmp_path / "work", progress=False, **{"precision": "fp32", **kwargs},
     )  # fmt: skip
 
 

@@ -105,8 +105,8 @@ def batches(preset, shapes_mds, tmp_path_factory) -> dict:
     from tests.convert_fixtures import run_cli
 
     out = tmp_path_factory.mktemp("latents") / preset
-    argv = ["latents", "--src", shapes_mds / "mds", "--out", out, "--preset", preset]
-    assert run_cli(*argv, "--resolutions", 32, "--batch-size", 32) == 0
+    argv = ["latents", "--src", shapes_mds / "mds", "--out", out, "--preset", preset, "--precision", "fp32"]
+    assert run_cli(*argv, "--resolutions", 32, "--batch-size", 32) == 0  # fp32: the image path's precision
     model = _model(preset)
     images, stored = _read(model, preset, shapes_mds / "mds"), _read(model, preset, out, latents=True)
     assert list(images) == list(stored)

@@ -156,7 +156,7 @@ def test_the_tiny_recipe_trains_on_images_and_on_precomputed_encodings_with_the_
 
     recipe = REPO / "yamls/tiny-flux-cpu.yaml"
     out = tmp_path / "latents"
-    argv = ["latents", "--src", shapes_mds / "mds", "--out", out, "--resolutions", 32]
+    argv = ["latents", "--src", shapes_mds / "mds", "--out", out, "--resolutions", 32, "--precision", "fp32"]
     assert run_cli(*argv, "--recipe", recipe, "model.pretrained=null") == 0
     columns = json.loads((out / "index.json").read_text())["shards"][0]["column_names"]
     assert {"text_embeds", "pooled_text_embeds"} <= set(columns) and "text_embeds_3" not in columns
