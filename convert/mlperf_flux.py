@@ -26,6 +26,7 @@ One input per Arrow file, on convert.pipeline like every source (markers, restar
 import hashlib
 import io
 import json
+import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from models.presets import PRESETS, vae_factor
 TIMESTEP_COLUMN = EVAL_TIMESTEP  # read back by data/latent_dataset.py
 REFERENCE_COLUMNS = ("__key__", "t5_encodings", "clip_encodings", "mean", "logvar")
 FP16_MAX = 65504.0
+log = logging.getLogger(__name__)
 EMPTY_FILES = {"text_embeds": "t5_empty.npy", "pooled_text_embeds": "clip_empty.npy"}
 
 
@@ -130,8 +132,9 @@ def _half(value: torch.Tensor) -> np.ndarray | str:
     return value.to(torch.float16).numpy()
 
 
-def parts(files: list[Path], resolution: int, timesteps: bool) -> list[Part]:
-    return [Part(path.stem, read_rows, (str(path), resolution, timesteps), _rows(path)) for path in files]
+def parts(files: list[Path], resolution: int, timesteps: bool, preset: str) -> list[Part]:
+    args = (resolution, timesteps, preset)
+    return [Part(path.stem, read_rows, (str(path), *args), _rows(path)) for path in files]
 
 
 def _rows(path: Path) -> int:
@@ -139,33 +142,42 @@ def _rows(path: Path) -> int:
     return sum(batch.num_rows for batch in _batches(path))
 
 
-def read_rows(path: str, resolution: int, timesteps: bool) -> Iterator[dict | Skipped]:
+def read_rows(path: str, resolution: int, timesteps: bool, preset: str) -> Iterator[dict | Skipped]:
+    """The rows of one Arrow file, one at a time: each value is copied out of the memory-mapped file on
+    its own (a record batch of 1,000 rows holds ~2 GB of T5 contexts)."""
     column = latents_column(resolution)
+    side = resolution // vae_factor(preset)
+    expected = shapes(preset)
+    wanted = {
+        column: (2 * expected["mean"][0], side, side),
+        "text_embeds": expected["t5_encodings"],
+        "pooled_text_embeds": expected["clip_encodings"],
+    }
     for batch in _batches(Path(path)):
-        table = batch.to_pydict()
-        for i, key in enumerate(table["__key__"]):
-            key = str(key)
+        names = batch.schema.names
+        for i in range(batch.num_rows):
+            key = str(batch.column("__key__")[i].as_py())
             try:
-                values = {
-                    name: decode(table[name][i])
+                mean, logvar, t5, clip = (
+                    decode(batch.column(name)[i].as_py())
                     for name in ("mean", "logvar", "t5_encodings", "clip_encodings")
-                }
-            except (ValueError, TypeError, OSError) as err:
-                yield Skipped(key, f"unreadable: {err}")
+                )
+                out = {column: torch.cat([mean, logvar]), "text_embeds": t5, "pooled_text_embeds": clip}
+            except (ValueError, TypeError, OSError, RuntimeError) as err:
+                log.debug("%s: row %s unreadable: %s", path, key, err)
+                yield Skipped(key, "unreadable")
                 continue
-            row = {"key": key, "caption": ""}
-            out = {
-                column: torch.cat([values["mean"], values["logvar"]]),
-                "text_embeds": values["t5_encodings"],
-                "pooled_text_embeds": values["clip_encodings"],
-            }
-            reasons = [r for r in (_half(v) for v in out.values()) if isinstance(r, str)]
+            if any(tuple(value.shape) != wanted[name] for name, value in out.items()):
+                yield Skipped(key, "shape")
+                continue
+            halves = {name: _half(value) for name, value in out.items()}
+            reasons = [h for h in halves.values() if isinstance(h, str)]
             if reasons:
                 yield Skipped(key, reasons[0])
                 continue
-            row.update({name: _half(value) for name, value in out.items()})
+            row = {"key": key, "caption": "", **halves}
             if timesteps:
-                step = table.get("timestep", [None] * (i + 1))[i]
+                step = batch.column("timestep")[i].as_py() if "timestep" in names else None
                 if not isinstance(step, int):
                     yield Skipped(key, "missing_timestep")
                     continue
@@ -242,8 +254,9 @@ def convert_mlperf_flux(
         if empty_encodings is None
         else empty_caption_bytes(empty_encodings, preset, options.digest(columns))
     )
+    inputs = parts(files, resolution, timesteps, preset)
     report = convert(
-        parts(files, resolution, timesteps), out, options, columns, source="mlperf-flux", src=str(src),
+        inputs, out, options, columns, source="mlperf-flux", src=str(src),
         settings=settings, workers=workers, work_dir=work_dir, progress=progress, overwrite=overwrite,
         write_rows=write_rows,
     )  # fmt: skip
