@@ -4,8 +4,9 @@ encoder: the MLPerf Flux.1 reference keeps t5_empty.npy and clip_empty.npy besid
 for this, and without it a Flux run would load T5-XXL only to encode "".
 
 What: the family conditioner's `encode` of "" with the conversion's own encoders, the call that made
-the set's text columns, unrounded (the columns are fp16; the model's own encoding of "" is not), so
-the loss is bitwise the one of a model encoding "" with the same encoders; safetensors, with the
+the set's text columns, not rounded to fp16 (the columns are; the model's own encoding of "" is not),
+so the loss is bitwise the one of a model encoding "" with the same encoders in the same precision
+(`--precision`: a flux preset's encode in bf16, the model's own in fp32); safetensors, with the
 conversion's digest (the one in its completion markers) in the metadata.
 When: each conversion process writes it at its first input, before any row of that input, unless the
 output holds this conversion's already; so every completion marker comes after it. A rerun whose

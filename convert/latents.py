@@ -228,6 +228,20 @@ def default_precision(preset: str) -> str:
     return "bf16" if preset in PRESETS and families.of(preset).name == "flux" else "fp32"
 
 
+def _held_precision(out: str, src: str, overwrite: bool) -> str | None:
+    """The precision of the latents conversion of `src` that `out` holds, which a rerun without
+    --precision continues: its recorded one, or fp32 for one recorded before --precision existed."""
+    from convert.identity import RECORD, where
+    from convert.storage import open_store
+
+    held = None if overwrite else open_store(out).read_json(RECORD)
+    if not held or held.get("source") != "latents" or held.get("src") != where(src):
+        return None
+    precision = (held.get("options") or {}).get("precision", "fp32")
+    log.info("%s holds a latents conversion encoded in %s: continuing it so", out, precision)
+    return precision
+
+
 _LOADED: dict = {}  # (encoder settings, pid) -> (Encoders, device): built once per process
 
 
@@ -349,7 +363,7 @@ def convert_latents(
         # it. (A family whose T5 is not optional, Flux, stores it as its `text_embeds`.)
         t5 = t5 or (preset in PRESETS and bundled_t5(preset) and families.of(preset).reads_t5)
         check_encoder_flags(preset, pretrained, t5)
-    precision = precision or default_precision(preset)
+    precision = precision or _held_precision(out, src, overwrite) or default_precision(preset)
     if precision not in PRECISIONS:
         raise ValueError(f"--precision {precision}: choose one of {list(PRECISIONS)}")
     parts, buckets = source_parts(src)

@@ -94,24 +94,25 @@ def survey(src: str | Path, preset: str) -> tuple[list[Path], int, bool]:
     """(the Arrow files, the resolution, whether rows carry a timestep) from the first row, with the
     columns and shapes checked against `preset`."""
     files = arrow_files(src)
-    first = next((b for b in _batches(files[0]) if b.num_rows), None)
+    path, first = next(((f, b) for f in files for b in _batches(f) if b.num_rows), (files[0], None))
     if first is None:
-        raise ConvertError(f"{files[0]}: no rows")
+        raise ConvertError(f"--src {src}: its Arrow files hold no rows")
     missing = [c for c in REFERENCE_COLUMNS if c not in first.schema.names]
     if missing:
-        raise ConvertError(f"{files[0]}: no column {missing} (columns: {first.schema.names})")
+        raise ConvertError(f"{path}: no column {missing} (columns: {first.schema.names})")
     row = {name: first.column(name)[0].as_py() for name in first.schema.names}
-    expected = shapes(preset)
-    mean = decode(row["mean"])
-    for name, shape in expected.items():
-        got = decode(row[name]).shape
+    try:
+        values = {name: decode(row[name]) for name in ("mean", "t5_encodings", "clip_encodings")}
+    except (ValueError, TypeError, OSError) as err:
+        raise ConvertError(f"{path}: the first row's arrays are not bf16 .npy bytes ({err})") from None
+    for name, shape in shapes(preset).items():
+        got = values[name].shape
         if (got[: len(shape)] if name == "mean" else got) != shape:
             wanted = f"({shape[0]}, side, side)" if name == "mean" else str(shape)
-            raise ConvertError(
-                f"{files[0]}: {name} is {tuple(got)} per sample; preset {preset} reads {wanted}"
-            )
+            raise ConvertError(f"{path}: {name} is {tuple(got)} per sample; preset {preset} reads {wanted}")
+    mean = values["mean"]
     if mean.ndim != 3 or mean.shape[1] != mean.shape[2]:
-        raise ConvertError(f"{files[0]}: mean is {tuple(mean.shape)} per sample, not (C, side, side)")
+        raise ConvertError(f"{path}: mean is {tuple(mean.shape)} per sample, not (C, side, side)")
     return files, mean.shape[-1] * vae_factor(preset), row.get("timestep") is not None
 
 
@@ -185,8 +186,27 @@ def read_rows(path: str, resolution: int, timesteps: bool, preset: str) -> Itera
             yield row
 
 
-def write_rows(part: Part, job, writer, progress=None) -> tuple[Counter, Counter]:
-    """convert.pipeline's `write_rows`: the rows as they come, the skipped counted by reason."""
+@dataclass(frozen=True)
+class WriteRows:
+    """convert.pipeline's `write_rows`: the rows as they come, the skipped counted by reason; before
+    an input's first row, the empty caption's file when given and the output lacks this conversion's
+    (as the latents source writes it: convert/empty_caption.py)."""
+
+    empty: bytes | None = None
+
+    def __call__(self, part: Part, job, writer, progress=None) -> tuple[Counter, Counter]:
+        write_empty(job.store, self.empty, job.digest)
+        return write_rows(part, writer, progress)
+
+
+def write_empty(store, empty: bytes | None, digest: str) -> None:
+    from convert.empty_caption import held_digest
+
+    if empty is not None and held_digest(store) != digest:
+        store.write_bytes(EMPTY_CAPTION, empty)
+
+
+def write_rows(part: Part, writer, progress=None) -> tuple[Counter, Counter]:
     skipped, pending = Counter(), 0
     for row in part.samples():
         if isinstance(row, Skipped):
@@ -248,7 +268,6 @@ def convert_mlperf_flux(
     if timesteps:
         columns[TIMESTEP_COLUMN] = "int32"
     options = MlperfOptions(preset, resolution, (), compression, shard_size_limit)
-    settings = {"empty_encodings": bool(empty_encodings)}
     empty = (
         None
         if empty_encodings is None
@@ -257,9 +276,8 @@ def convert_mlperf_flux(
     inputs = parts(files, resolution, timesteps, preset)
     report = convert(
         inputs, out, options, columns, source="mlperf-flux", src=str(src),
-        settings=settings, workers=workers, work_dir=work_dir, progress=progress, overwrite=overwrite,
-        write_rows=write_rows,
+        workers=workers, work_dir=work_dir, progress=progress, overwrite=overwrite,
+        write_rows=WriteRows(empty),
     )  # fmt: skip
-    if empty is not None:
-        open_store(out).write_bytes(EMPTY_CAPTION, empty)
+    write_empty(open_store(out), empty, options.digest(columns))  # inputs all done before: not yet there
     return report

@@ -13,7 +13,9 @@ when converted with a T5, `text_embeds_3` (t5_tokens, 4096), all fp16. A set wit
 preset's) gives samples without its key.
 
 Beside the shards, `sd-convert latents` writes the empty caption's stored form once per set
-(EMPTY_CAPTION: the same tensors for "", unrounded fp32, as the MLPerf Flux.1 reference keeps
+(EMPTY_CAPTION: the same tensors for "", not rounded to fp16 (bf16 values when the encoders ran in
+bf16: `--precision`; `sd-convert mlperf-flux` stores the reference's own fp16 ones), as the MLPerf
+Flux.1 reference keeps
 t5_empty.npy and clip_empty.npy beside its preprocessed set), which caption dropout uses
 (`read_empty_caption`; recipes/trainer.py hands it to the model once), so a run on precomputed
 encodings needs no text encoder. A set converted before it was written has none: the model encodes "".

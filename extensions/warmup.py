@@ -10,7 +10,8 @@ every warmup batch two behind the reference's: Composer evaluates a scheduler on
 (k - 1) / N, and batches 0 and 1 at lr 0 (measured: tests/test_warmup.py). CountedWarmup takes that
 order into account: its first evaluation is batch 0's, every later one the next batch's. A resumed
 run builds it anew (batch 0's evaluation, which the checkpoint's optimizer state then replaces) and
-continues with the next batch's.
+continues with the next batch's. Composer's defaults only: stepped every batch, one optimizer (any
+number of parameter groups), no scale_schedule_ratio (refused).
 """
 
 from composer.core import State, Time, TimeUnit
@@ -28,9 +29,13 @@ class CountedWarmup(ComposerScheduler):
         if alpha_f != 1.0:
             raise ValueError(f"alpha_f={alpha_f}: CountedWarmup holds the lr constant after its warmup (1.0)")
 
-        self._built = False  # evaluated once: by the LambdaLR Composer builds around it
+        self._calls = 0  # the LambdaLR Composer builds around it evaluates it first for batch 0
 
     def __call__(self, state: State, ssr: float = 1.0) -> float:
-        batch = int(state.timestamp.batch) + (1 if self._built else 0)  # the batch this lr trains
-        self._built = True
+        if ssr != 1.0:
+            raise ValueError(f"scale_schedule_ratio={ssr}: CountedWarmup counts batches as they are (1.0)")
+        # LambdaLR evaluates once per parameter group at each step, at construction too.
+        groups = len(state.optimizers[0].param_groups) if state.optimizers else 1
+        self._calls += 1
+        batch = int(state.timestamp.batch) + (1 if self._calls > groups else 0)  # the batch this lr trains
         return min(1.0, (batch + 1) / max(self.t_warmup.value, 1))

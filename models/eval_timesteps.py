@@ -40,21 +40,23 @@ def level_indices(seeds: list[int], k: int) -> torch.Tensor:
     return torch.tensor([seed % k for seed in seeds], dtype=torch.long)
 
 
-# A precomputed set's column of each sample's fixed timestep index (MLPerf's COCO set stores one:
-# convert/mlperf_flux.py); the dataset hands it over under this key.
+# A precomputed set's column of each sample's fixed timestep index i, t = i / STORED_LEVELS: MLPerf's
+# COCO set stores one (convert/mlperf_flux.py); the dataset hands it over under this key.
 STORED = "eval_timestep"
+STORED_LEVELS = 8  # MLPerf's: the reference's eval_step takes t = timesteps / 8.0
 
 
 def stored_or_seeded(batch: dict, seeds: list[int], k: int) -> torch.Tensor:
-    """Each sample's fixed timestep index: the set's own (STORED) where it has one, else from its eval
-    seed. Stored ones must lie in 0 .. k - 1: MLPerf's are 0 .. 7, for k = 8."""
+    """Each sample's fixed timestep index: the set's own (STORED) where it has one, which needs k =
+    STORED_LEVELS, else from its eval seed."""
     if STORED not in batch:
         return level_indices(seeds, k)
     stored = torch.as_tensor(batch[STORED]).long().cpu().reshape(-1)
-    if len(stored) and not bool(((stored >= 0) & (stored < k)).all()):
+    if k != STORED_LEVELS or not bool(((stored >= 0) & (stored < k)).all()):
         raise ValueError(
-            f"the validation set stores fixed timesteps {sorted(set(stored.tolist()))[:8]}, not all in "
-            f"0 .. {k - 1}: set model.eval_timesteps to the set's count (MLPerf's COCO set: 8)"
+            f"the validation set stores MLPerf's fixed timesteps (i in 0 .. {STORED_LEVELS - 1}, t = i / "
+            f"{STORED_LEVELS}; here {sorted(set(stored.tolist()))[:8]}): set model.eval_timesteps="
+            f"{STORED_LEVELS}, not {k}"
         )
     return stored
 

@@ -16,11 +16,19 @@ Linear layers from the record), loadable in bf16 or fp32. Autograd saves the hig
 the backward, so the activations are those of a bf16 run (recipes/footprint.py counts them with these
 same modules).
 
-On a GPU without float8 matmuls (below sm_89: A100, V100) this is an error; on a machine without CUDA
-(the tests, a CPU run) the matmuls are emulated in high precision with the same casts and scales,
-which is slower than not using it and meant for checking, never for speed.
+On a GPU without float8 matmuls (below sm_89: A100, V100) this is an error; on a machine without CUDA,
+or for a run on the CPU (`cpu_emulation()`, recipes/trainer.py: trainer.device cpu), the matmuls are
+emulated in high precision with the same casts and scales, which is slower than not using it and meant
+for checking, never for speed.
+
+`pad_inner_dim`: torch._scaled_mm also needs the inner dimension a multiple of 16, and in the weight
+gradient (grad_output^T @ input) that is the microbatch's token count: SD3's 154 context tokens, or
+an aspect bucket's odd patch count, would fail on a GPU (emulation checks nothing). torchao pads those
+matmuls with zeros (a copy of each float8 operand), which costs memory traffic even where no padding
+is needed; its speed is to be measured on a GPU.
 """
 
+import contextlib
 import dataclasses
 import logging
 
@@ -50,9 +58,23 @@ def fp8_recipe(fp8) -> str | None:
     return fp8
 
 
+_ON_CPU = [False]  # set by `cpu_emulation`: the model being built trains on the CPU
+
+
+@contextlib.contextmanager
+def cpu_emulation(on_cpu: bool = True):
+    """Models built inside train on the CPU: emulate float8 whatever GPU the machine has."""
+    before, _ON_CPU[0] = _ON_CPU[0], on_cpu
+    try:
+        yield
+    finally:
+        _ON_CPU[0] = before
+
+
 def emulated(device: torch.device | None = None) -> bool:
-    """Whether float8 matmuls are emulated: yes without CUDA; an error on a GPU that has none."""
-    if not torch.cuda.is_available():
+    """Whether float8 matmuls are emulated: yes for a CPU run or without CUDA; an error on a GPU that
+    has no float8 tensor cores."""
+    if _ON_CPU[0] or not torch.cuda.is_available():
         return True
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_CAPABILITY:
@@ -79,7 +101,8 @@ def convert_to_fp8(denoiser: torch.nn.Module, recipe: str, emulate: bool | None 
     torchao's `recipe`; return how many. `emulate`: None decides by the machine (`emulated()`)."""
     if emulate is None:
         emulate = emulated()
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(config, emulate=emulate, pad_inner_dim=True)
     swapped = 0
     for block in units(denoiser, "blocks"):
         before = sum(isinstance(m, torch.nn.Linear) for m in block.modules())

@@ -23,6 +23,7 @@ sample's timestep is one of K fixed ones instead (MLPerf's rule: models/eval_tim
 """
 
 import hashlib
+import logging
 
 import torch
 from composer.models import ComposerModel
@@ -30,8 +31,16 @@ from torchmetrics import MeanSquaredError
 
 from compat.diffusers import DiagonalGaussianDistribution
 from models.draw_keys import check_train_draws, draw_seeds, sample_indices
-from models.eval_timesteps import FixedTimestepLoss, check_eval_timesteps, stored_or_seeded
+from models.eval_timesteps import (
+    STORED,
+    STORED_LEVELS,
+    FixedTimestepLoss,
+    check_eval_timesteps,
+    stored_or_seeded,
+)
 from models.pixels import to_float
+
+log = logging.getLogger(__name__)
 
 
 class LatentDiffusion(ComposerModel):
@@ -59,6 +68,7 @@ class LatentDiffusion(ComposerModel):
         # when the text encoders' weights or the empty caption change.
         self._empty: dict = {}
         self._sample_drop: torch.Tensor | None = None  # this step's per-sample caption dropout (_diffuse)
+        self._warned_stored = False  # a set's stored eval timesteps ignored: said once
 
     def frozen_parts(self) -> list[torch.nn.Module]:
         return [m for m in (getattr(self, name, None) for name in self.frozen_names) if m is not None]
@@ -178,6 +188,13 @@ class LatentDiffusion(ComposerModel):
             levels = None
             if self.eval_timesteps is not None:
                 levels = self.eval_levels[stored_or_seeded(batch, seeds, self.eval_timesteps)]
+            elif STORED in batch and not self._warned_stored:
+                self._warned_stored = True
+                log.warning(
+                    "the validation set stores a fixed timestep per sample (MLPerf's), which "
+                    "model.eval_timesteps unset ignores: set model.eval_timesteps=%d to use them",
+                    STORED_LEVELS,
+                )
             latents, draws = self._seeded_latents(moments, seeds, levels)
             condition = self.condition(batch, False, image_size)
         return self._denoised(latents, draws, condition, image_size)

@@ -36,6 +36,7 @@ from extensions.sample_draws import SampleDraws
 from models import Autoencoder, build
 from models.build import check_pretrained
 from models.family import MODEL_CLASSES, of_model
+from models.fp8 import cpu_emulation
 from models.presets import size_multiple
 from models.record import ModelRecord, describe
 from models.torch_compile import compiles_with_cudagraphs
@@ -180,7 +181,8 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
     plan = _plan(run, world_size)
     batch_size = plan.per_device_batch
     try:
-        model = build(**run.model)
+        with cpu_emulation(run.trainer.get("device") == "cpu"):  # model.fp8 on a CPU run: emulated
+            model = build(**run.model)
     except FileNotFoundError as err:  # model.pretrained's folder or one of its components is missing
         raise ConfigError(str(err)) from err
     multiple = _size_multiple(run.model["preset"])

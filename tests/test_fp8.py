@@ -12,7 +12,7 @@ from torchao.float8.float8_linear import Float8Linear
 
 from models import build_model
 from models.build import check_model_options
-from models.fp8 import emulated
+from models.fp8 import cpu_emulation, emulated
 from models.sharding import units
 from tests.conftest import REPO, tiny_run
 
@@ -22,7 +22,8 @@ TRANSFORMERS = ("mmdit-tiny", "flux-tiny")
 
 def _built(preset: str, **options):
     torch.manual_seed(0)
-    return build_model(preset, **options)
+    with cpu_emulation():  # these run on the CPU, also on a machine with a GPU
+        return build_model(preset, **options)
 
 
 @pytest.mark.parametrize("preset", TRANSFORMERS)
@@ -122,7 +123,7 @@ def test_a_unet_preset_and_an_unknown_recipe_are_refused_before_anything_is_buil
 
 def test_float8_is_emulated_without_cuda_and_refused_on_a_gpu_without_float8_tensor_cores(monkeypatch):
     """On this CPU machine: emulated. A GPU below sm_89 (an A100) is an error naming it; an H100 is not
-    emulated (the CUDA calls answered as those GPUs would)."""
+    emulated (the CUDA calls answered as those GPUs would); a run on the CPU emulates on either."""
     assert emulated() is (not torch.cuda.is_available())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
@@ -131,8 +132,12 @@ def test_float8_is_emulated_without_cuda_and_refused_on_a_gpu_without_float8_ten
         RuntimeError, match="this GPU, NVIDIA A100-SXM4-80GB, is sm_80: train without model.fp8"
     ):
         emulated()
+    with cpu_emulation():  # a CPU run (trainer.device cpu) on that machine: emulated, no error
+        assert emulated() is True
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert emulated() is False
+    with cpu_emulation():
+        assert emulated() is True
 
 
 @pytest.mark.subprocess

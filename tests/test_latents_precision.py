@@ -2,6 +2,8 @@
 reference's preprocessing runs them; other presets in fp32, with the digest of outputs written before
 the option. The difference bf16 makes, measured on flux-tiny's random encoders over the shapes."""
 
+import json
+
 import pytest
 import torch
 
@@ -30,6 +32,14 @@ def test_flux_encodes_in_bf16_by_default_within_two_percent_of_fp32(shapes_mds, 
     assert default_precision("sd2-base") == default_precision("mmdit-tiny") == "fp32"
     bf16 = _stored(shapes_mds, tmp_path / "bf16", tmp_path)
     fp32 = _stored(shapes_mds, tmp_path / "fp32", tmp_path, precision="fp32")
+    # An output converted before --precision existed (its record has no precision; fp32 keeps the old
+    # digest): a rerun with the flux default continues it in fp32 instead of refusing it.
+    record = json.loads((tmp_path / "fp32" / "sd-convert.json").read_text())
+    del record["options"]["precision"]
+    (tmp_path / "fp32" / "sd-convert.json").write_text(json.dumps(record))
+    assert _stored(shapes_mds, tmp_path / "fp32", tmp_path).keys() == fp32.keys()
+    report = json.loads((tmp_path / "fp32" / "convert-report.json").read_text())
+    assert report["inputs_done_this_run"] == 0 and report["inputs_done"] > 0
     for name in bf16:
         assert _bf16_exact(bf16[name]) and not _bf16_exact(fp32[name]), name
         relative = ((bf16[name] - fp32[name]).norm() / fp32[name].norm()).item()

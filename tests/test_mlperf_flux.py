@@ -7,6 +7,7 @@ bad files are refused as they should be."""
 
 import io
 import json
+import logging
 
 import numpy as np
 import pyarrow as pa
@@ -120,7 +121,7 @@ def test_the_converted_set_holds_the_reference_values_exactly_and_skips_what_fp1
     assert torch.equal(tensors["pooled_text_embeds"], torch.full((1, 32), -0.5)) and metadata["caption"] == ""
 
 
-def test_validation_puts_each_sample_at_its_stored_timestep(coco):
+def test_validation_puts_each_sample_at_its_stored_timestep(coco, caplog):
     """flux-tiny with model.eval_timesteps=8 on the converted set: sample i is validated at t = i / 8
     for the i the set stores (not at its content hash's), in every batch; another K is refused."""
     from models import build_model
@@ -133,11 +134,20 @@ def test_validation_puts_each_sample_at_its_stored_timestep(coco):
     _, _, level = model.eval_forward(batch)
     assert torch.equal(level, batch["eval_timestep"].float() / 8)
     assert not torch.equal(level, model.eval_levels[[s % 8 for s in model.eval_seeds(batch)]])
-    with pytest.raises(ValueError, match="not all in 0 .. 3: set model.eval_timesteps"):
-        build_model(PRESET, eval_timesteps=4).eval_forward(batch)
+    for k in (4, 16):  # i / 8 is not one of i / k's levels: refused, never reinterpreted
+        with pytest.raises(ValueError, match=f"set model.eval_timesteps=8, not {k}"):
+            build_model(PRESET, eval_timesteps=k).eval_forward(batch)
+    unset = build_model(PRESET)
+    with caplog.at_level(logging.WARNING, logger="models.latent_diffusion"):
+        unset.eval_forward(batch)
+        unset.eval_forward(batch)
+    assert [r.getMessage() for r in caplog.records].count(
+        "the validation set stores a fixed timestep per sample (MLPerf's), which model.eval_timesteps "
+        "unset ignores: set model.eval_timesteps=8 to use them"
+    ) == 1
 
 
-def test_a_training_set_has_no_timestep_column_and_a_rerun_continues(tmp_path):
+def test_a_training_set_has_no_timestep_column_and_a_rerun_continues_or_adds_the_empty_caption(tmp_path):
     write_reference_set(tmp_path / "cc12m", files=2, per_file=5, timesteps=False)
     argv = ["mlperf-flux", "--src", tmp_path / "cc12m", "--out", tmp_path / "out", "--preset", PRESET]
     assert run_cli(*argv) == 0
@@ -146,7 +156,15 @@ def test_a_training_set_has_no_timestep_column_and_a_rerun_continues(tmp_path):
     assert "latents_32" in index["shards"][0]["column_names"]
     assert run_cli(*argv) == 0  # both inputs done: nothing converted again
     report = json.loads((tmp_path / "out" / "convert-report.json").read_text())
-    assert report["samples_written"] == 10
+    assert report["samples_written"] == 10 and report["inputs_done_this_run"] == 0
+    assert not (tmp_path / "out" / EMPTY_CAPTION).exists()
+    write_empty_encodings(tmp_path / "empty")  # given only now: added without converting again
+    assert run_cli(*argv, "--empty-encodings", tmp_path / "empty") == 0
+    assert load_empty_caption((tmp_path / "out" / EMPTY_CAPTION).read_bytes())[0]["text_embeds"].shape == (
+        1,
+        8,
+        64,
+    )
 
 
 def test_a_folder_that_is_not_the_reference_format_is_one_line(tmp_path, capsys):
