@@ -332,7 +332,8 @@ text_to_image README, "Preprocessing": flux-1-cc12m-preprocessed, flux-1-coco-pr
 flux-1-empty-encodings) into the set `sd-convert latents --preset flux-schnell` writes: latents_256
 (the VAE's mean and logvar), text_embeds (T5) and pooled_text_embeds (CLIP), bf16 stored as fp16
 (exact for magnitudes 2^-14 .. 65504, rounded below; rows beyond are skipped), and for the COCO
-set each sample's eval_timestep, which validation uses. One input per Arrow file, restartable like every source:
+set each sample's eval_timestep, which validation uses. One input per Arrow file, restartable like
+every source:
   sd-convert mlperf-flux --src /dataset/coco_preprocessed --out s3://bucket/coco-flux \
       --empty-encodings /dataset/empty_encodings
   sd-convert mlperf-flux --src /dataset/cc12m_preprocessed --out s3://bucket/cc12m-flux --workers 16 \
