@@ -225,7 +225,8 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def default_precision(preset: str) -> str:
-    return "bf16" if preset in PRESETS and families.of(preset).name == "flux" else "fp32"
+    """The family's (models/family.py `encoder_precision`): bf16 for the flux presets."""
+    return families.of(preset).encoder_precision if preset in PRESETS else "fp32"
 
 
 def _held_precision(out: str, src: str, overwrite: bool) -> str | None:

@@ -62,6 +62,16 @@ class MlperfOptions:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _reads_the_reference(preset: str) -> bool:
+    """Whether `preset`'s precomputed set is the reference's: a T5 context from its second text encoder
+    and one pooled vector (the flux presets)."""
+    from convert.latents import preset_columns
+
+    spec = PRESETS[preset]
+    stored = set(preset_columns(preset, [1])) - {"caption", "key", latents_column(1)}
+    return "d_model" in spec.get("text_encoder_2", {}) and stored == {"text_embeds", "pooled_text_embeds"}
+
+
 def shapes(preset: str) -> dict[str, tuple[int, ...]]:
     """Each reference column's per-sample shape for `preset` (latents: per side, any side)."""
     spec = PRESETS[preset]
@@ -261,8 +271,9 @@ def convert_mlperf_flux(
     from convert.pipeline import convert
     from convert.storage import open_store
 
-    if preset not in PRESETS or PRESETS[preset].get("family") != "flux":
-        raise ConvertError(f"--preset {preset}: a flux preset (flux-schnell, flux-dev, flux-tiny)")
+    fitting = [name for name in PRESETS if _reads_the_reference(name)]
+    if preset not in fitting:
+        raise ConvertError(f"--preset {preset}: a preset that reads what the set holds: {', '.join(fitting)}")
     files, resolution, timesteps = survey(src, preset)
     columns = preset_columns(preset, [resolution])
     if timesteps:

@@ -15,7 +15,6 @@ from compat.diffusers import AttnProcessor
 from models.draw_keys import check_train_draws
 from models.eval_timesteps import check_eval_timesteps
 from models.family import FLOW_OPTIONS, OBJECTIVE_OPTIONS, build_components, load_component
-from models.flux_init import INITS, reference_init
 from models.fp8 import convert_to_fp8, fp8_recipe
 from models.lora import add_lora, check_lora_options, drop_frozen_weights
 from models.mmdit import LOSS_WEIGHTINGS, RectifiedFlowTransformer
@@ -176,10 +175,9 @@ def build_model(
         transformer blocks' attention and MLP matmuls in float8 (models/fp8.py: which layers, why);
         transformer presets only; weights, checkpoints and exports stay high precision. Emulated
         without CUDA, an error on a GPU older than sm_89. Default false.
-    init: None (diffusers' own initialisation) or "reference": the MLPerf Flux.1 reference's rule for a
-        transformer trained from scratch (models/flux_init.py: Xavier linears, N(0, 0.02) embedder
-        MLPs, zeroed adaLN modulation and final layer); flux presets only, and never over a
-        pretrained transformer.
+    init: None (diffusers' own initialisation) or a rule of the preset's family for a denoiser trained
+        from scratch (models/family.py `inits`: the flux presets' "reference", the MLPerf Flux.1
+        reference's, models/flux_init.py); never over a pretrained denoiser.
     eval_timesteps: validate each sample at one of K evenly spaced timesteps (its eval seed picks
         which) and add the metric FixedTimestepLoss, MLPerf's Flux rule with K = 8
         (models/eval_timesteps.py); None: at a seeded random timestep.
@@ -194,8 +192,8 @@ def build_model(
         train_draws,
     )  # fmt: skip
     parts = _parts(preset, pretrained, pretrained_components)
-    if init == "reference":
-        reference_init(parts[denoiser_name(preset)])
+    if init is not None:
+        families.of(preset).inits[init](parts[denoiser_name(preset)])
     options = _objective(preset, parts, pretrained_components if pretrained else (), objective)
     denoiser = parts[denoiser_name(preset)]
     if lora is not None:
@@ -272,7 +270,7 @@ def _checked(
         raise ValueError(f"model.param_dtype={param_dtype!r}; choose one of {list(PARAM_DTYPES)}")
     if fp8_recipe(fp8) is not None and families.of(preset).denoiser != "transformer":
         raise ValueError(
-            f"model.fp8 trains transformer presets (mmdit, flux); {preset!r} is a UNet, whose convolutions "
+            f"model.fp8 trains transformer presets; {preset!r} is a UNet, whose convolutions "
             "torchao's Float8Linear does not cover"
         )
     pretrained_components = _partners(preset, pretrained_components)
@@ -290,22 +288,20 @@ def _checked(
 
 
 def _check_init(preset, init, pretrained, pretrained_components) -> None:
-    """model.init: a known rule, for a family that has it, on a denoiser trained from scratch."""
+    """model.init: a rule of the preset's family, on a denoiser trained from scratch."""
     if init is None:
         return
-    if init not in INITS:
+    rules = families.of(preset).inits
+    if init not in rules:
         raise ValueError(
-            f"model.init={init!r}; choose null (diffusers' initialisation) or one of {list(INITS)}"
-        )
-    if families.of(preset).name != "flux":
-        raise ValueError(
-            f"model.init={init} is the MLPerf Flux.1 reference's rule: flux presets only, not {preset!r}"
+            f"model.init={init!r}: preset {preset!r} has {sorted(rules) or 'no such rule'} "
+            "(null: diffusers' initialisation)"
         )
     if pretrained is not None and denoiser_name(preset) in pretrained_components:
         raise ValueError(
-            f"model.init={init} initialises a transformer trained from scratch, but this one loads from "
-            f"model.pretrained={pretrained}: leave model.init unset, or leave transformer out of "
-            "pretrained_components"
+            f"model.init={init} initialises a denoiser trained from scratch, but this one loads from "
+            f"model.pretrained={pretrained}: leave model.init unset, or leave {denoiser_name(preset)} out "
+            "of pretrained_components"
         )
 
 

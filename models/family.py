@@ -42,6 +42,7 @@ from transformers import (
 from models.flop_count import flux_step_flops, transformer_step_flops, unet_step_flops
 from models.flux import Flux
 from models.flux_folder import save_flux_folder
+from models.flux_init import reference_init
 from models.mmdit import RectifiedFlowTransformer
 from models.objectives import TIMESTEP_DENSITIES
 from models.presets import OPTIONAL, PRESETS, bundled_t5, construct
@@ -93,6 +94,10 @@ class Family:
     # Writes an export folder (model, folder, shown_as=the folder's final name) when the pipeline is not
     # built from `model.pipeline_parts()` (models/export.py).
     save_folder: Callable | None = None
+    # `model.init` rules for a denoiser trained from scratch: name -> fn(denoiser), in place. Unset
+    # (null), diffusers' own initialisation.
+    inits: dict = field(default_factory=dict)
+    encoder_precision: str = "fp32"  # `sd-convert latents`' default --precision (convert/latents.py)
 
     @property
     def conditioner(self):
@@ -240,6 +245,8 @@ FAMILIES = {
             samplers=("euler",),
             guidance_rescale=False,
             save_folder=save_flux_folder,
+            inits={"reference": reference_init},  # the MLPerf Flux.1 reference's (models/flux_init.py)
+            encoder_precision="bf16",  # as the MLPerf reference's preprocessing loads VAE, T5 and CLIP
         ),
     )
 }

@@ -26,7 +26,6 @@ import math
 import torch
 from torch import nn
 
-INITS = ("reference",)  # model.init values; None keeps diffusers' own initialisation
 EMBEDDER_STD = 0.02  # the reference's init_std of time_in and vector_in
 
 

@@ -95,7 +95,7 @@ def test_nothing_loaded_is_initialised_again_and_a_loaded_transformer_is_refused
     assert not model.transformer.proj_out.weight.any()
     with pytest.raises(ValueError, match="loads from model.pretrained=.*: leave model.init unset"):
         check_model_options(PRESET, init="reference", pretrained=str(tmp_path))
-    with pytest.raises(ValueError, match="flux presets only, not 'mmdit-tiny'"):
+    with pytest.raises(ValueError, match="preset 'mmdit-tiny' has no such rule"):
         check_model_options("mmdit-tiny", init="reference")
-    with pytest.raises(ValueError, match=r"model.init='dit'; choose null .* or one of \['reference'\]"):
+    with pytest.raises(ValueError, match=r"model.init='dit': preset 'flux-tiny' has \['reference'\]"):
         check_model_options(PRESET, init="dit")
