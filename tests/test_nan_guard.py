@@ -214,6 +214,7 @@ def test_a_sharded_run_saves_its_last_good_checkpoint_folder_and_resumes_from_it
         str(REPO / "yamls/tiny-mmdit-cpu.yaml"),
         f"data.train.local={shapes_mds / 'mds'}",
         "~data.train.prepare",
+        "model.pretrained=null",  # a random VAE: not the stage-1 VAE, which the run would train first
         "global_train_batch_size=16",
         f"trainer.max_duration={BATCHES}ba",
         f"trainer.save_folder={tmp_path}",
