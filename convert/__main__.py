@@ -18,6 +18,7 @@ SETTINGS = {
     "img2dataset": ("format",),
     "laion": ("url_col", "caption_col", "download_shard_size"),
     "coco": ("images", "per_caption", "part_size"),
+    "mlperf-flux-images": (),
 }
 
 
@@ -28,17 +29,21 @@ def settings(args) -> dict:
     return values
 
 
-def columns(source: str) -> dict:
-    from convert import coco
+def columns(args) -> dict:
+    from convert import coco, mlperf_flux_images
     from convert.common import BASE_COLUMNS, LAION_COLUMNS
 
-    return {"folder": BASE_COLUMNS, "coco": coco.COLUMNS}.get(source, {**BASE_COLUMNS, **LAION_COLUMNS})
+    if args.source == "mlperf-flux-images":
+        return mlperf_flux_images.columns(args.src)
+    return {"folder": BASE_COLUMNS, "coco": coco.COLUMNS}.get(args.source, {**BASE_COLUMNS, **LAION_COLUMNS})
 
 
 def inputs(args, work_dir: Path):
     """The chosen source's inputs."""
-    from convert import coco, folder, img2dataset_src, laion
+    from convert import coco, folder, img2dataset_src, laion, mlperf_flux_images
 
+    if args.source == "mlperf-flux-images":
+        return mlperf_flux_images.parts(args.src)
     if args.source == "folder":
         return folder.parts(args.src, args.part_size)
     if args.source == "coco":
@@ -104,8 +109,9 @@ def main(argv=None) -> int:
     if args.source == "mlperf-flux":
         return _mlperf_flux(args)
     work_dir = Path(args.work_dir).expanduser() if args.work_dir else default_work_dir(args.out)
-    opts, cols = options(args), columns(args.source)
+    opts = options(args)
     try:
+        cols = columns(args)
         # before any download or source listing: bad credentials or a wrong --out should cost seconds
         store = open_store(args.out)
         store.check()

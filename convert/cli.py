@@ -24,6 +24,7 @@ EPILOG = """examples:
   sd-convert img2dataset --src laion-shards/ --out s3://bucket/laion --workers 8 --resize-max 512
   sd-convert laion --src laion-meta.parquet --out data/laion --min-aesthetic 5 --max-punsafe 0.1
   sd-convert coco --src annotations/captions_val2014.json --images val2014/ --out data/coco
+  sd-convert mlperf-flux-images --src /dataset/coco --out data/coco-mlperf
 
 S3: set S3_ENDPOINT_URL for a non-AWS endpoint and the usual AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.
 Exit status: 0 when the run finished (see the summary line for failed inputs), 1 on a fatal error
@@ -36,6 +37,8 @@ SOURCES = {
     "coco": "a COCO captions json plus its image folder",
     "latents": "an MDS image-caption set (our output) -> VAE latents + text embeddings, fp16",
     "mlperf-flux": "the MLPerf Flux.1 reference's preprocessed CC12M or COCO set -> the latents source's set",
+    "mlperf-flux-images": "the MLPerf Flux.1 reference's 256 px CC12M or COCO image set, pixels kept as "
+    "it made them (COCO's timesteps too)",
 }
 
 
@@ -241,6 +244,10 @@ def _image_sources(sub, common: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--per-caption", action="store_true", help="one row per caption instead of one per image")
     g.add_argument("--part-size", type=_positive, default=5_000, help="images per input (default 5000)")
+    add(
+        "mlperf-flux-images",
+        "the folder the download made: /dataset/cc12m_disk (data-*.arrow) or /dataset/coco (shard_*.tar)",
+    )
 
 
 def _latents_parser(sub) -> None:

@@ -81,7 +81,9 @@ def split_name(name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
-def read_tar(path: str, rows_parquet: str | None = None) -> Iterator[dict | Skipped]:
+def read_tar(path: str, rows_parquet: str | None = None, fields: tuple = ()) -> Iterator[dict | Skipped]:
+    """The samples of one webdataset tar; `fields`: json fields carried as they are, besides LAION's
+    metadata (the MLPerf COCO set's `timestep`: convert/mlperf_flux_images.py)."""
     shard = Path(path).stem
     if rows_parquet is not None:
         yield from _failed_rows(rows_parquet)
@@ -102,7 +104,7 @@ def read_tar(path: str, rows_parquet: str | None = None) -> Iterator[dict | Skip
                 member_key, ext = split_name(member.name)
                 if member_key != key:
                     if group:
-                        yield _sample(key, group)
+                        yield _sample(key, group, fields)
                     key, group = member_key, {}
                 if member.size > MAX_FILE_BYTES:
                     group[ext] = TOO_LARGE
@@ -113,10 +115,10 @@ def read_tar(path: str, rows_parquet: str | None = None) -> Iterator[dict | Skip
         yield Skipped(shard, "corrupt_tar")
         return
     if group:
-        yield _sample(key, group)
+        yield _sample(key, group, fields)
 
 
-def _sample(key: str, group: dict) -> dict | Skipped:
+def _sample(key: str, group: dict, fields: tuple = ()) -> dict | Skipped:
     if "json" not in group:
         return Skipped(key, "missing_json")
     try:
@@ -130,7 +132,8 @@ def _sample(key: str, group: dict) -> dict | Skipped:
         return Skipped(key, "file_too_large")
     # img2dataset writes a missing caption as the text "nan" or "" in .txt, but keeps null in the json
     caption = meta["caption"] if "caption" in meta else group.get("txt")
-    return {**pick_metadata(meta), "key": key, "image": image, "caption": caption}
+    carried = {name: meta.get(name) for name in fields}
+    return {**pick_metadata(meta), **carried, "key": key, "image": image, "caption": caption}
 
 
 def _failed_rows(path: str) -> Iterator[Skipped]:

@@ -12,8 +12,10 @@ own `encode_clip` and `encode_t5`: `text_embeds` (77, 768 + 1280 for sd3-medium)
 unpadded, `pooled_text_embeds` (2048,) both pooled vectors, and, when the `--pretrained` folder has a
 T5 (`text_encoder_3/` and `tokenizer_3/`), `text_embeds_3` (t5_tokens, 4096) fp16; its `latents_{R}`
 are the 16-channel VAE's moments, unscaled and unshifted (the model applies latent_shift and
-latent_scale). Once per output, the empty caption's encodings go beside index.json, for caption
-dropout without the text encoders (convert/empty_caption.py).
+latent_scale). A source's `eval_timestep` (a validation set's fixed timestep per sample: MLPerf's
+COCO, convert/mlperf_flux_images.py) is carried over as it is. Once per output, the empty caption's
+encodings go beside index.json, for caption dropout without the text encoders
+(convert/empty_caption.py).
 
 Runs on convert.pipeline like the image converters: one input per input of the source, read from
 its index.json (`<src>/[<bucket>/]NAME/`, or each shard of a flat set), written to the same place
@@ -50,10 +52,10 @@ from convert.encoders import (
     recipe_encoders,
     recipe_settings,
 )
-from convert.latents_source import source_parts
+from convert.latents_source import source_columns, source_parts
 from data.buckets import bucket_crop, bucket_ratio, bucket_size, cover_crop
 from data.image_caption import original_size
-from data.latent_dataset import crop_column, latents_column
+from data.latent_dataset import EVAL_TIMESTEP, crop_column, latents_column
 from data.transforms import Crop
 from models.pixels import to_float
 from models.presets import PRESETS, bundled_t5, size_multiple
@@ -127,6 +129,8 @@ def _encode(model, rows: list[dict], crops: list[dict], resolutions, device) -> 
     for j, row in enumerate(rows):
         sample = {"caption": captions[j], "key": row["key"], **{k: v[j] for k, v in text.items()}}
         sample.update({latents_column(r): np.ascontiguousarray(latents[r][j]) for r in resolutions})
+        if EVAL_TIMESTEP in row:  # a validation set's fixed timestep (MLPerf's COCO) travels with it
+            sample[EVAL_TIMESTEP] = int(row[EVAL_TIMESTEP])
         if micro:  # what the image path hands over for an unflipped sample (data/image_caption.py)
             stored = crops[j][resolutions[0]].size
             sample["original_size"] = np.array(original_size(row, stored), dtype=np.int64)
@@ -372,6 +376,8 @@ def convert_latents(
     options = LatentsOptions(resolutions, preset, pretrained, buckets, recipe=recipe, precision=precision)
     encoder = Encoder(preset, pretrained, resolutions, batch_size, device, workers, t5, recipe, precision)
     cols = preset_columns(preset, list(resolutions), t5)
+    if EVAL_TIMESTEP in source_columns(src):
+        cols[EVAL_TIMESTEP] = "int32"
     empty_caption.forget()  # a new run: each process checks the output once more
     report = convert(
         parts, out, options, cols, source="latents", src=str(src), workers=workers,

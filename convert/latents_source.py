@@ -68,6 +68,12 @@ def source_parts(src: str | Path) -> tuple[list[Part], tuple[float, ...]]:
     return parts, ratios
 
 
+def source_columns(src: str | Path) -> set[str]:
+    """Every column a shard of the MDS set at `src` holds (its index.json, checked by source_parts)."""
+    shards = json.loads((Path(src).expanduser() / "index.json").read_text())["shards"]
+    return {name for entry in shards for name in entry.get("column_names", ())}
+
+
 def read_input(root: str, buckets: tuple[tuple[str, tuple[dict, ...]], ...]) -> Iterator[tuple[str, dict]]:
     for bucket, entries in buckets:
         for entry in entries:

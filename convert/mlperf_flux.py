@@ -44,6 +44,10 @@ TIMESTEP_COLUMN = EVAL_TIMESTEP  # read back by data/latent_dataset.py
 REFERENCE_COLUMNS = ("__key__", "t5_encodings", "clip_encodings", "mean", "logvar")
 FP16_MAX = 65504.0
 log = logging.getLogger(__name__)
+IMAGE_SET_HINT = (
+    "the reference's image set (flux-1-cc12m-disk or flux-1-coco), not its preprocessed one: "
+    "`sd-convert mlperf-flux-images` converts it, then `sd-convert latents --preset flux-schnell`"
+)
 EMPTY_FILES = {"text_embeds": "t5_empty.npy", "pooled_text_embeds": "clip_empty.npy"}
 
 
@@ -83,7 +87,10 @@ def shapes(preset: str) -> dict[str, tuple[int, ...]]:
 
 
 def arrow_files(src: str | Path) -> list[Path]:
-    files = sorted(readable_folder(src).glob("data-*.arrow"))
+    folder = readable_folder(src)
+    files = sorted(folder.glob("data-*.arrow"))
+    if not files and any(folder.glob("*.tar")):
+        raise ConvertError(f"--src {src}: {IMAGE_SET_HINT}")
     if not files:
         raise ConvertError(
             f"--src {src}: no data-*.arrow files; give the folder of the reference's preprocessed set "
@@ -92,7 +99,7 @@ def arrow_files(src: str | Path) -> list[Path]:
     return files
 
 
-def _batches(path: Path) -> Iterator[pa.RecordBatch]:
+def batches(path: Path) -> Iterator[pa.RecordBatch]:
     try:
         with pa.memory_map(str(path)) as source:
             yield from pa.ipc.open_stream(source)
@@ -104,10 +111,12 @@ def survey(src: str | Path, preset: str) -> tuple[list[Path], int, bool]:
     """(the Arrow files, the resolution, whether rows carry a timestep) from the first row, with the
     columns and shapes checked against `preset`."""
     files = arrow_files(src)
-    path, first = next(((f, b) for f in files for b in _batches(f) if b.num_rows), (files[0], None))
+    path, first = next(((f, b) for f in files for b in batches(f) if b.num_rows), (files[0], None))
     if first is None:
         raise ConvertError(f"--src {src}: its Arrow files hold no rows")
     missing = [c for c in REFERENCE_COLUMNS if c not in first.schema.names]
+    if missing and {"png", "jpg"} & set(first.schema.names):
+        raise ConvertError(f"--src {src}: {IMAGE_SET_HINT}")
     if missing:
         raise ConvertError(f"{path}: no column {missing} (columns: {first.schema.names})")
     row = {name: first.column(name)[0].as_py() for name in first.schema.names}
@@ -145,12 +154,12 @@ def _half(value: torch.Tensor) -> np.ndarray | str:
 
 def parts(files: list[Path], resolution: int, timesteps: bool, preset: str) -> list[Part]:
     args = (resolution, timesteps, preset)
-    return [Part(path.stem, read_rows, (str(path), *args), _rows(path)) for path in files]
+    return [Part(path.stem, read_rows, (str(path), *args), row_count(path)) for path in files]
 
 
-def _rows(path: Path) -> int:
+def row_count(path: Path) -> int:
     """Rows of an Arrow stream file, from its batch headers (memory-mapped: the bodies are not read)."""
-    return sum(batch.num_rows for batch in _batches(path))
+    return sum(batch.num_rows for batch in batches(path))
 
 
 def read_rows(path: str, resolution: int, timesteps: bool, preset: str) -> Iterator[dict | Skipped]:
@@ -164,7 +173,7 @@ def read_rows(path: str, resolution: int, timesteps: bool, preset: str) -> Itera
         "text_embeds": expected["t5_encodings"],
         "pooled_text_embeds": expected["clip_encodings"],
     }
-    for batch in _batches(Path(path)):
+    for batch in batches(Path(path)):
         names = batch.schema.names
         for i in range(batch.num_rows):
             key = str(batch.column("__key__")[i].as_py())

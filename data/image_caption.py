@@ -30,6 +30,7 @@ from torchvision.transforms import functional as F
 from data.streaming_base import StreamingBase
 from data.transforms import Crop, SquareTransform, crop_top_left, square_crop
 from models.draw_keys import SAMPLE_INDEX
+from models.eval_timesteps import STORED as EVAL_TIMESTEP
 from models.pixels import to_float
 from models.tokenizer import tokenize, tokenize_t5
 
@@ -147,6 +148,8 @@ class ImageCaptionDataset(StreamingBase):
         if self.micro_conditioning:
             out["original_size"] = torch.tensor(original_size(sample, crop.size))
             out["crop_top_left"] = torch.tensor(crop.top_left)
+        if EVAL_TIMESTEP in sample:  # a set with its own fixed validation timesteps (MLPerf's COCO)
+            out[EVAL_TIMESTEP] = int(sample[EVAL_TIMESTEP])
         out[SAMPLE_INDEX] = int(index)  # training draws keyed per sample (models/draw_keys.py)
         return out
 

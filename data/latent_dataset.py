@@ -32,11 +32,11 @@ import torch
 from data.streaming_base import StreamingBase
 from data.streams import _configured, read_index
 from models.draw_keys import SAMPLE_INDEX
+from models.eval_timesteps import STORED as EVAL_TIMESTEP  # noqa: F401 - read here, and by convert/
 
 log = logging.getLogger(__name__)
 
 EMPTY_CAPTION = "empty_caption.safetensors"
-EVAL_TIMESTEP = "eval_timestep"  # models/eval_timesteps.py STORED
 # The stored form's columns (models/conditioners.py), which the empty caption's file holds too.
 TEXT_COLUMNS = ("text_embeds", "pooled_text_embeds", "text_embeds_3")
 

@@ -130,7 +130,15 @@ def test_fatal_errors_name_what_and_where(tmp_path, capsys):
 def test_every_option_is_explained():
     parser = build_parser()
     subparsers = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict)).choices
-    assert sorted(subparsers) == ["coco", "folder", "img2dataset", "laion", "latents", "mlperf-flux"]
+    assert sorted(subparsers) == [
+        "coco",
+        "folder",
+        "img2dataset",
+        "laion",
+        "latents",
+        "mlperf-flux",
+        "mlperf-flux-images",
+    ]
     for name, sub in subparsers.items():
         text = sub.format_help()
         for action in sub._actions:
