@@ -52,6 +52,7 @@ from evaluation.image_metrics import scores, too_few, write_report
 from models.checkpoint_file import one_line_errors
 from models.cli_checks import UsageError, check_sampling_args
 from models.generate import SamplerError, load_model, sampler_for
+from models.sharded_checkpoint import METADATA, is_sharded_checkpoint
 
 log = logging.getLogger("evaluation.evaluate")  # not "__main__" under python -m
 
@@ -105,7 +106,9 @@ def source_version(source: str) -> str:
     """Size and modification time of the weights: a checkpoint rewritten at the same path (a new
     training run) is another source, whose images must not be reused."""
     path = Path(source)
-    if path.is_dir():  # the denoiser's weights: a UNet's, or an SD3 folder's transformer's
+    if is_sharded_checkpoint(path):  # torch writes its .metadata last, once every shard is there
+        path = path / METADATA
+    elif path.is_dir():  # the denoiser's weights: a UNet's, or an SD3 folder's transformer's
         weights = sorted(path.glob("unet/*.safetensors")) + sorted(path.glob("transformer/*.safetensors"))
         path = (weights or [path / "model_index.json"])[0]
     stat = path.stat()

@@ -55,10 +55,7 @@ def check_checkpoint_file(path: str | Path) -> Path:
             raise CheckpointError(str(error)) from error
         return path
     if path.is_dir():
-        raise IsADirectoryError(
-            f"{path} is a folder but no sharded checkpoint (no .metadata or .distcp files): give a "
-            "checkpoint file or a sharded checkpoint's folder (ep{E}-ba{B}/)"
-        )
+        raise IsADirectoryError(folder_problem(path))
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     with path.open("rb") as file:
@@ -77,6 +74,31 @@ def check_checkpoint_file(path: str | Path) -> Path:
             f"with {head!r}"
         )
     return path
+
+
+# What `models.export --lora` writes (diffusers' save_lora_weights' file name).
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def folder_problem(path: Path) -> str:
+    """Why the folder `path`, not a sharded checkpoint, is no checkpoint file either, in one line that
+    names what it is (an exported pipeline, a LoRA adapter's folder) and what to give instead."""
+    if (path / LORA_FILE).is_file():
+        return (
+            f"{path} holds a LoRA adapter ({LORA_FILE}), not a checkpoint or a pipeline: diffusers' "
+            "load_lora_weights puts it on its base model; here give the LoRA run's checkpoint "
+            "(models.export --merge-lora makes a full pipeline of it)"
+        )
+    if (path / "model_index.json").is_file():
+        return (
+            f"{path} is an exported pipeline folder already (model_index.json), not a training checkpoint: "
+            "generate, evaluate and demo.judge read it as it is; a run starts from it with model.pretrained="
+        )
+    return (
+        f"{path} is a folder but neither a sharded checkpoint (no .metadata or .distcp files) nor an "
+        "exported pipeline (no model_index.json): give a checkpoint file or a sharded checkpoint's "
+        "folder (ep{E}-ba{B}/)"
+    )
 
 
 def read_checkpoint(path: str | Path) -> dict:

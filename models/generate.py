@@ -25,7 +25,7 @@ import torch
 from torchvision.utils import save_image
 
 import models.family as families
-from models.checkpoint_file import CheckpointError, check_checkpoint_file, one_line_errors
+from models.checkpoint_file import CheckpointError, check_checkpoint_file, folder_problem, one_line_errors
 from models.cli_checks import (
     UsageError,
     check_count,
@@ -87,7 +87,7 @@ def check_source(path: str | Path, ema: bool | None = None) -> Path:
                 "already holds the weights it was exported with"
             )
         if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
+            raise IsADirectoryError(folder_problem(path))
         return path
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint or pipeline folder at {path}")

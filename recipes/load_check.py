@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from composer.utils import format_name_with_dist
 
-from models.checkpoint_file import CheckpointError, model_state, read_checkpoint
+from models.checkpoint_file import CheckpointError, folder_problem, model_state, read_checkpoint
 from models.record import read_record
 from models.sharded_checkpoint import (
     ShardedCheckpointError,
@@ -67,7 +67,9 @@ def load_path_problem(path: str, model: torch.nn.Module, preset: str, strict: bo
         except ShardedCheckpointError as error:
             return f"trainer.load_path: {error}"
         saved = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
-    elif Path(path).is_dir() or not path.endswith(".pt"):
+    elif Path(path).is_dir():
+        return f"trainer.load_path: {folder_problem(Path(path))}"
+    elif not path.endswith(".pt"):
         return None
     else:
         try:

@@ -8,6 +8,7 @@ import logging
 from composer.utils import dist
 
 from recipes.config import ConfigError
+from recipes.file_to_sharded import sharded_copy
 from recipes.parallelism import Shape, composer_parallelism, resolve, shards
 from recipes.resume import loads_sharded
 
@@ -35,6 +36,8 @@ def with_parallelism(kwargs: dict, run, world_size: int) -> dict:
         return kwargs
     # The Trainer builds the device mesh from the process group: one, also for a single process.
     dist.initialize_dist(run.trainer.get("device"), run.trainer.get("dist_timeout", 300.0))
+    if kwargs.get("load_path") and not sharded_checkpoint:  # a one-file checkpoint, continued sharded
+        kwargs = {**kwargs, "load_path": sharded_copy(kwargs["load_path"])}
     why = " (parallelism.shard=1: it resumes a sharded checkpoint)" if not shards(run.parallelism) else ""
     log.info(
         "parallelism: FSDP2, the denoiser sharded over %d GPU(s) x %d cop%s%s; sharded checkpoints",

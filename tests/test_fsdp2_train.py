@@ -31,19 +31,26 @@ def _shard_files(folder) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-def test_sharded_run_trains_like_the_one_process_run_and_saves_sharded_checkpoints(
-    mmdit_reference, shapes_mds, tmp_path
-):
-    """The same run on one process (unsharded, the global batch of 16 as two microbatches of 8): the
-    recipe's training draws are keyed per sample (model.train_draws: sample, models/draw_keys.py), so
-    each sample gets the same noise, timestep and caption dropout on either, and every batch's loss
-    over the whole batch agrees to fp32 rounding (the sharded run averages gradients by a
-    reduce-scatter, recomputes every block in the backward pass and sums in another order)."""
-    sharded = mmdit_reference("shard-2")
-    one = train_command(1, tmp_path, shapes_mds, *COMMON, recipe=RECIPE)
-    result = run(one, REPO, train_env())
+@pytest.fixture(scope="module")
+def one_process(shapes_mds, tmp_path_factory):
+    """The same run on one process (unsharded, the global batch of 16 as two microbatches of 8), a
+    checkpoint file per batch."""
+    out = tmp_path_factory.mktemp("one-process")
+    result = run(train_command(1, out, shapes_mds, *COMMON, recipe=RECIPE), REPO, train_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert "1 devices x 16 per device (microbatch 8, gradient accumulation 2)" in result.stderr
+    return out
+
+
+def test_sharded_run_trains_like_the_one_process_run_and_saves_sharded_checkpoints(
+    mmdit_reference, one_process
+):
+    """The recipe's training draws are keyed per sample (model.train_draws: sample,
+    models/draw_keys.py), so each sample gets the same noise, timestep and caption dropout on one
+    process or two, and every batch's loss over the whole batch agrees to fp32 rounding (the sharded
+    run averages gradients by a reduce-scatter, recomputes every block in the backward pass and sums
+    in another order)."""
+    sharded, tmp_path = mmdit_reference("shard-2"), one_process
     want = read_loss_log(tmp_path / "loss.jsonl", "total")
     got = read_loss_log(sharded / "loss.jsonl", "total")
     assert sorted(want) == sorted(got) == list(range(1, BATCHES + 1))
@@ -105,6 +112,33 @@ def test_a_sharded_checkpoint_continues_on_one_process(mmdit_reference, shapes_m
     got, ref = torch.load(tmp_path / "unet-rank0.pt"), torch.load(reference / "unet-rank0.pt")
     distance = max((got[k] - ref[k]).abs().max().item() for k in ref)
     assert distance < 1e-6, distance
+
+
+def test_a_one_process_checkpoint_file_continues_sharded_on_two(one_process, shapes_mds, tmp_path):
+    """The other direction (issue 47): the one-process run's checkpoint file of batch 4 continues
+    under `composer -n 2` of the sharding recipe (Composer loads a sharded run from a folder only:
+    recipes/file_to_sharded.py writes the file sharded in the temp space first), ends at the
+    uninterrupted run's losses, weights and EMA but for rounding, and saves sharded checkpoints."""
+    (tmp_path / "ckpt").mkdir()
+    shutil.copy(one_process / "ckpt" / "ep0-ba4-rank0.pt", tmp_path / "ckpt")
+    result = run(mmdit_command("shard-2", tmp_path, shapes_mds), REPO, train_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "a sharded run loads the checkpoint file" in result.stderr
+    losses, want = (read_loss_log(p / "loss.jsonl", "total") for p in (tmp_path, one_process))
+    assert sorted(losses) == list(range(5, BATCHES + 1))
+    for batch, loss in losses.items():
+        assert loss == pytest.approx(want[batch], rel=1e-5, abs=1e-6), (batch, losses, want)
+    for weights in ("unet-rank0.pt", "ema-rank0.pt"):
+        got, ref = torch.load(tmp_path / weights), torch.load(one_process / weights)
+        assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-6, weights
+    assert _shard_files(tmp_path / "ckpt" / f"ep1-ba{BATCHES}") == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert (tmp_path / "ckpt" / "ep0-ba4-rank0.pt").read_bytes() == (
+        one_process / "ckpt" / "ep0-ba4-rank0.pt"
+    ).read_bytes()
 
 
 def test_hsdp_on_four_processes_trains_and_resumes_bitwise(mmdit_reference, shapes_mds, tmp_path):
