@@ -1,8 +1,12 @@
 """Composer checkpoint -> StableDiffusion(XL) or rectified-flow model -> diffusers pipeline folder:
 a `StableDiffusionPipeline` (`StableDiffusionXLPipeline` for an SDXL model, `StableDiffusion3Pipeline`
-for an mmdit one).
+for an mmdit one, `FluxPipeline` for a Flux one: models/flux_folder.py).
 
     python -m models.export CHECKPOINT OUT_DIR [--ema | --raw] [--preset tiny]
+
+CHECKPOINT is a checkpoint file (`ep0-ba200-rank0.pt`, `latest-rank0.pt`) or a sharded run's
+checkpoint folder (`ep0-ba200/`, read on one process whatever the number of ranks that wrote it:
+models/sharded_checkpoint.py); a LoRA run's checkpoint exports with `--lora` or `--merge-lora`.
 
 A checkpoint carries its model record (models/record.py: model family, component configs, noise
 schedule, prediction type, zero-terminal SNR, latent scale, preset), and that exact model is rebuilt;
@@ -274,7 +278,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("checkpoint", help="a Composer checkpoint file (e.g. ep0-ba200-rank0.pt)")
+    parser.add_argument(
+        "checkpoint",
+        help="a checkpoint file (ep0-ba200-rank0.pt) or a sharded checkpoint's folder (ep0-ba200)",
+    )
     parser.add_argument("out_dir", help="folder to write the diffusers pipeline to")
     add_weight_args(parser)
     lora = parser.add_mutually_exclusive_group()

@@ -87,7 +87,7 @@ def check_source(path: str | Path, ema: bool | None = None) -> Path:
                 "already holds the weights it was exported with"
             )
         if not (path / "model_index.json").is_file():
-            raise IsADirectoryError(folder_problem(path))
+            raise FileNotFoundError(folder_problem(path))
         return path
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint or pipeline folder at {path}")
@@ -169,6 +169,30 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--out {out}: give a .png file to write the grid to")
 
 
+# The token-id columns of a conditioner (models/conditioners.py `id_lengths`) and their tokenizers.
+TOKENIZERS = {"input_ids": "tokenizer", "input_ids_2": "tokenizer_2", "input_ids_3": "tokenizer_3"}
+
+
+def warn_truncated(model, prompts: list[str]) -> list[str]:
+    """Log (and return) a line for each prompt longer than a text encoder reads: the tokens past its
+    length are cut, as training cut the captions, and a user should know the end was not seen."""
+    lines = []
+    for column, length in model.conditioner.id_lengths(model).items():
+        tokenizer = getattr(model, TOKENIZERS[column], None)
+        if tokenizer is None:
+            continue
+        for prompt in prompts:
+            count = len(tokenizer(prompt, verbose=False)["input_ids"])  # verbose: transformers' own warning
+            if count > length:
+                words = " ".join(prompt.split()[:6])
+                lines.append(
+                    f"the prompt '{words} ...' is {count} tokens for {type(tokenizer).__name__}, whose text "
+                    f"encoder reads {length}: the last {count - length} are cut"
+                )
+                log.warning(lines[-1])
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
@@ -178,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         sampler = sampler_for(model, args.sampler)
         sizes = {"--height": args.height, "--width": args.width}
         check_sampling_args(model, sizes, ("--guidance-rescale", args.guidance_rescale))
+    warn_truncated(model, args.prompts)
     model.to(args.device)
     images = sample_grid(
         model,

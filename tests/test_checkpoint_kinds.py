@@ -133,3 +133,10 @@ def test_train_load_path(kinds, kind):
         assert problem is None
     else:
         assert problem is not None and LOAD_PATH[kind] in problem and "\n" not in problem
+
+
+def test_export_help_names_every_kind_it_takes(capsys):
+    with pytest.raises(SystemExit):
+        export.main(["--help"])
+    text = capsys.readouterr().out
+    assert "FluxPipeline" in text and "sharded checkpoint's folder" in text and "--merge-lora" in text

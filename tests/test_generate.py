@@ -1,5 +1,6 @@
 """models.generate: PNG grids from a checkpoint and from an exported pipeline folder."""
 
+import logging
 import runpy
 import sys
 
@@ -64,3 +65,16 @@ def test_clear_errors(checkpoint, exported, tmp_path):
         generate.load_model(tmp_path / "missing.pt")
     with pytest.raises(FileNotFoundError, match="no model_index.json"):
         generate.load_model(tmp_path)
+
+
+def test_a_prompt_longer_than_the_text_encoder_reads_is_said(checkpoint, tmp_path, caplog):
+    long = "a red circle " + "on a very long and winding road " * 12
+    with caplog.at_level(logging.WARNING, logger="models.generate"):
+        generate.main([str(checkpoint), "a red circle", long, "--out", str(tmp_path / "g.png"),
+                       "--n-per-prompt", "1", "--steps", "1", "--device", "cpu"])  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]  # ours alone
+    count = len(generate.load_model(checkpoint).tokenizer(long, verbose=False)["input_ids"])
+    assert lines == [
+        f"the prompt 'a red circle on a very ...' is {count} tokens for CLIPTokenizer, whose text encoder "
+        f"reads 77: the last {count - 77} are cut"
+    ]
