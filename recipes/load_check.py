@@ -36,14 +36,15 @@ def resume_and_check(trainer: dict, preset: str, run_name: str) -> dict:
     load_path (recipes/resume.py), that checkpoint or the run's own load_path checked against the
     model; a ConfigError, on every rank, when it cannot be loaded."""
     try:
-        trainer = autoresume(trainer, run_name)
+        resumed = autoresume(trainer, run_name)
     except ResumeError as error:
         raise ConfigError(str(error)) from error
-    check_load_path(trainer, preset, run_name)
-    return trainer
+    chosen = resumed.get("load_path") != trainer.get("load_path")  # by autoresume, not the user
+    check_load_path(resumed, preset, run_name, "autoresume's checkpoint" if chosen else "trainer.load_path")
+    return resumed
 
 
-def check_load_path(trainer: dict, preset: str, run_name: str) -> None:
+def check_load_path(trainer: dict, preset: str, run_name: str, what: str = "trainer.load_path") -> None:
     """Raise ConfigError, on every rank, when `trainer["load_path"]` (composer.Trainer's keyword
     arguments) is a local checkpoint file or sharded checkpoint folder that the run's model cannot
     load. Remote paths and tar or compressed files are left to Composer."""
@@ -52,30 +53,33 @@ def check_load_path(trainer: dict, preset: str, run_name: str) -> None:
         return
     strict = trainer.get("load_strict_model_weights", True)
     path = format_name_with_dist(str(path), run_name)  # rank 0's file, as Composer loads
-    problem = on_rank_zero(lambda: load_path_problem(path, trainer["model"], preset, strict))
+    problem = on_rank_zero(lambda: load_path_problem(path, trainer["model"], preset, strict, what))
     if problem is not None:
         raise ConfigError(problem)
 
 
-def load_path_problem(path: str, model: torch.nn.Module, preset: str, strict: bool = True) -> str | None:
+def load_path_problem(
+    path: str, model: torch.nn.Module, preset: str, strict: bool = True, what: str = "trainer.load_path"
+) -> str | None:
     """Why `model` (of `preset`) cannot load the checkpoint file or sharded checkpoint folder at `path`,
-    in one line; None if it can."""
+    in one line that starts with `what` (the user's trainer.load_path, or autoresume's choice); None if
+    it can."""
     if is_sharded_checkpoint(path):  # its metadata's shapes and its record: no tensor is read
         try:
             shapes = tensor_shapes(check_complete(path))
             state = read_sharded_checkpoint(path, parts=("callbacks",))
         except ShardedCheckpointError as error:
-            return f"trainer.load_path: {error}"
+            return f"{what}: {error}"
         saved = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
     elif Path(path).is_dir():
-        return f"trainer.load_path: {folder_problem(Path(path))}"
+        return f"{what}: {folder_problem(Path(path))}"
     elif not path.endswith(".pt"):
         return None
     else:
         try:
             state = read_checkpoint(path)
         except (CheckpointError, FileNotFoundError) as error:
-            return f"trainer.load_path: {error}"
+            return f"{what}: {error}"
         saved = model_state(state)
     recorded = (read_record(state) or {}).get("preset")
     differences = tensor_differences(saved, model.state_dict(), strict)
@@ -83,10 +87,10 @@ def load_path_problem(path: str, model: torch.nn.Module, preset: str, strict: bo
         if recorded not in (None, preset):
             log.warning("loading %s, a %s checkpoint, into a %s model: same tensors", path, recorded, preset)
         return None
-    what = f"a model of preset {recorded}" if recorded else "a model that records no preset"
+    held = f"a model of preset {recorded}" if recorded else "a model that records no preset"
     fix = f"set model.preset={recorded}, or " if recorded not in (None, preset) else ""
     return (
-        f"trainer.load_path: {path} holds {what}, and this run's model.preset is {preset}: "
+        f"{what}: {path} holds {held}, and this run's model.preset is {preset}: "
         f"{len(differences)} tensors differ ({differences[0]}); {fix}give a checkpoint of a {preset} model"
     )
 

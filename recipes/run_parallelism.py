@@ -40,8 +40,9 @@ def with_parallelism(kwargs: dict, run, world_size: int) -> dict:
         kwargs = {**kwargs, "load_path": sharded_copy(kwargs["load_path"])}
     why = " (parallelism.shard=1: it resumes a sharded checkpoint)" if not shards(run.parallelism) else ""
     log.info(
-        "parallelism: FSDP2, the denoiser sharded over %d GPU(s) x %d cop%s%s; sharded checkpoints",
+        "parallelism: FSDP2, the denoiser sharded over %d %s x %d cop%s%s; sharded checkpoints",
         shape.shard,
+        "CPU process(es)" if run.trainer.get("device") == "cpu" else "GPU(s)",
         shape.replicate,
         "y" if shape.replicate == 1 else "ies (HSDP)",
         why,

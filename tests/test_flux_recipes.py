@@ -88,7 +88,7 @@ def test_tiny_flux_under_two_processes_writes_sharded_checkpoints(shapes_mds, tm
     ]
     result = run(command, REPO, train_env())
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "parallelism: FSDP2, the denoiser sharded over 2 GPU(s) x 1 copy" in result.stderr
+    assert "parallelism: FSDP2, the denoiser sharded over 2 CPU process(es) x 1 copy" in result.stderr
     saved = tmp_path / "ckpt" / "ep0-ba2"
     assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 

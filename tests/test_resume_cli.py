@@ -57,6 +57,23 @@ def test_load_path_of_another_presets_checkpoint_is_one_config_error(tiny_checkp
     assert not (tmp_path / "ckpt").exists()  # nothing trained or saved
 
 
+def test_autoresume_s_own_choice_is_named_as_such_not_as_the_user_s_load_path(
+    tiny_checkpoint, shapes_mds, tmp_path
+):
+    """The user set no trainer.load_path: the line names the checkpoint autoresume chose (issue 47)."""
+    (tmp_path / "ckpt").mkdir()
+    shutil.copy(tiny_checkpoint, tmp_path / "ckpt" / "ep0-ba3-rank0.pt")
+    args = overrides(shapes_mds, 4, save_folder=tmp_path / "ckpt", autoresume="true")
+    with pytest.raises(SystemExit) as exit_:
+        train_py.main([str(REPO / "yamls/tiny-sdxl-cpu.yaml"), *args])
+    message = str(exit_.value.code)
+    assert message.startswith(
+        f"config error: autoresume's checkpoint: {tmp_path / 'ckpt' / 'ep0-ba3-rank0.pt'} holds a model of "
+        "preset tiny, and this run's model.preset is sdxl-tiny: "
+    ), message
+    assert "trainer.load_path" not in message and "\n" not in message
+
+
 def test_a_rerun_of_a_finished_run_trains_nothing_and_keeps_its_ema(
     tiny_checkpoint, shapes_mds, tmp_path, caplog
 ):
@@ -78,3 +95,22 @@ def test_a_rerun_of_a_finished_run_trains_nothing_and_keeps_its_ema(
     average = find_ema(trainer.state.algorithms).averaged_state()
     (ema_state,) = [v for k, v in saved["algorithms"] if k == "EMA"]
     assert average and all(torch.equal(average[name], ema_state["ema"][name]) for name in average)
+
+
+@pytest.mark.fit
+def test_the_keep_count_holds_over_the_whole_run_not_per_start(shapes_mds, tmp_path):
+    """save_num_checkpoints_to_keep=2 over a run restarted once: 2 checkpoints at the end, not the 2 of
+    each start (Composer rotates only what it saved since it started: recipes/keep_checkpoints.py)."""
+    import re
+
+    ckpt = tmp_path / "ckpt"
+    common = dict(save_folder=ckpt, save_interval="1ba", save_num_checkpoints_to_keep=2, autoresume="true")
+
+    def batches() -> list[int]:
+        names = [p.name for p in ckpt.iterdir() if not p.is_symlink()]
+        return sorted(int(re.match(r"ep\d+-ba(\d+)-rank0\.pt$", n)[1]) for n in names)
+
+    train_py.main([str(REPO / "yamls/tiny-cpu.yaml"), *overrides(shapes_mds, 3, **common)])
+    assert batches() == [2, 3]
+    train_py.main([str(REPO / "yamls/tiny-cpu.yaml"), *overrides(shapes_mds, 5, **common)])
+    assert batches() == [4, 5]
