@@ -1,6 +1,7 @@
 """Train Stable Diffusion: `composer train.py yamls/RUN.yaml [key=value ...]` (or `python train.py ...`)."""
 
 import logging
+import os
 import sys
 
 USAGE = """usage: train.py yamls/RUN.yaml [key=value ...]
@@ -32,6 +33,11 @@ def main(argv: list[str]) -> None:
         check_overrides(argv[1:])
         train(load_config(argv[0], argv[1:]))
     except ConfigError as err:
+        # Every rank reads the same config and makes the same checks (decisions one rank makes are
+        # broadcast), so rank 0 says it once; the others end quietly and cleanly, and `composer -n N`
+        # then reports rank 0's exit instead of each rank's copy of the line under its own banner.
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(0)
         sys.exit(f"config error: {err}")
 
 

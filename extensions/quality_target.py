@@ -40,15 +40,49 @@ TARGET = f"{__name__}.QualityTarget"  # the `_target_` that recipes/config.py lo
 DEFAULT_METRICS = ("FixedTimestepLoss", "MeanSquaredError")
 
 
-def config_problem(callbacks: dict, eval_data) -> str | None:
-    """A quality target on a run without `data.eval`, which could never reach it."""
+def config_problem(callbacks: dict, eval_data, trainer: dict | None = None) -> str | None:
+    """A quality target the run could never judge: no `data.eval` to measure it on, or a
+    `trainer.eval_interval` (or `trainer.eval_subset_num_batches`) that evaluates nothing. (A target
+    that no loss can reach, 0 or below, is refused by QualityTarget itself.)"""
+    trainer = trainer or {}
     for name, spec in callbacks.items():
-        if spec.get("_target_") == TARGET and spec.get("target") is not None and eval_data is None:
+        if spec.get("_target_") != TARGET or spec.get("target") is None:
+            continue
+        key = f"callbacks.{name}.target"
+        if eval_data is None:
             return (
-                f"'callbacks.{name}.target' is set but the run has no data.eval to measure it on; add "
-                f"data.eval and trainer.eval_interval, or set callbacks.{name}.target=null"
+                f"'{key}' is set but the run has no data.eval to measure it on; add "
+                f"data.eval and trainer.eval_interval, or set {key}=null"
+            )
+        interval = trainer.get("eval_interval")
+        if interval is not None and _evaluates_never(interval):
+            return (
+                f"'trainer.eval_interval' is {interval!r}, which never evaluates, so {key}={spec['target']} "
+                f"can never be judged; set trainer.eval_interval to a positive interval (e.g. 1000ba, "
+                f"262144sp or 1ep), or {key}=null"
+            )
+        batches = trainer.get("eval_subset_num_batches")
+        if isinstance(batches, int) and not isinstance(batches, bool) and batches == 0:
+            return (
+                f"'trainer.eval_subset_num_batches' is 0, which evaluates no batch, so {key}="
+                f"{spec['target']} can never be judged; set it to -1 (the whole data.eval) or a positive "
+                f"number of batches, or {key}=null"
             )
     return None
+
+
+def _evaluates_never(interval) -> bool:
+    """Composer's evaluator never runs at an interval of 0 or less (`create_interval_scheduler`), and
+    0 is how its docs turn evaluation off. An interval it cannot parse is left to Composer."""
+    from composer.core import Time, TimeUnit
+
+    if isinstance(interval, bool):
+        return False
+    try:
+        value = Time.from_input(interval, TimeUnit.EPOCH).value
+    except (ValueError, TypeError):
+        return False
+    return value <= 0
 
 
 class QualityTarget(Callback):
@@ -60,12 +94,21 @@ class QualityTarget(Callback):
             isinstance(target, bool) or not isinstance(target, int | float) or not math.isfinite(target)
         ):
             raise ValueError(f"target={target!r} must be a validation loss (a number) or null")
+        if target is not None and target <= 0:
+            # Both metrics (DEFAULT_METRICS, and any a model measures here) are mean squared errors.
+            raise ValueError(
+                f"target={target!r} can never be reached: the validation loss is a mean squared error, "
+                "never below 0; a target must be > 0 (or null: only log the validation loss)"
+            )
         self.target = None if target is None else float(target)
         self.metric = metric
         self.reached: dict | None = None  # loss, samples, batches, time_s at the first loss <= target
         self._earlier_s = 0.0  # wall seconds of the runs this one resumed, to their last checkpoint
         self._start: float | None = None  # time.monotonic() at this process's FIT_START
         self._closed = False
+        # The run's trainer.max_duration, read before anything stops the run: state.stop_training()
+        # (this callback's, at the target or at load) sets state.max_duration to the batch it stops at.
+        self._max_duration = None
 
     def elapsed_s(self) -> float:
         """Wall seconds of training so far, resumed runs included (MLPerf's time to train)."""
@@ -79,19 +122,23 @@ class QualityTarget(Callback):
         self.reached = state.get("reached")
 
     def after_load(self, state: State, logger: Logger) -> None:
+        self._max_duration = state.max_duration
         if self.reached is None:
             return
         if self.target is not None and self.reached["loss"] <= self.target:
             log.warning(
                 "run %s reached its quality target in the checkpoint it resumes (loss %.6g <= %g at %d "
-                "samples, %.1f s); nothing to train (callbacks.quality_target.target=null trains on)",
+                "samples, batch %d; trainer.max_duration=%s); nothing to train (a target below %.6g, or "
+                "callbacks.quality_target.target=null, trains on to trainer.max_duration)",
                 state.run_name,
                 self.reached["loss"],
                 self.target,
                 self.reached["samples"],
-                self.reached["time_s"],
+                self.reached["batches"],
+                state.max_duration,
+                self.reached["loss"],
             )
-            state.stop_training()
+            state.stop_training()  # sets state.max_duration to this batch: anything logged after reads that
         else:
             self.reached = None  # a lower target (or none): the run goes on, and may reach the new one
 
@@ -99,6 +146,8 @@ class QualityTarget(Callback):
         if self.target is not None and not state.evaluators:
             raise ValueError("callbacks.quality_target.target is set but the run has no eval set")
         self._start = time.monotonic()
+        if self._max_duration is None:  # no AFTER_LOAD (a state built by hand)
+            self._max_duration = state.max_duration
         if dist.get_global_rank() == 0:
             log.info(
                 "run_start: run %s, quality target %s, %.1f s trained before",
@@ -131,8 +180,8 @@ class QualityTarget(Callback):
         if dist.get_global_rank() == 0:
             log.info(
                 "run_stop: status success: %s %.6g <= target %g after %d samples (batch %d), %.1f s; "
-                "stopping (the end-of-training checkpoint holds these weights)",
-                name, loss, self.target, samples, batches, elapsed,
+                "stopping (trainer.max_duration=%s; the end-of-training checkpoint holds these weights)",
+                name, loss, self.target, samples, batches, elapsed, self._max_duration,
             )  # fmt: skip
         state.stop_training()
 
@@ -143,9 +192,11 @@ class QualityTarget(Callback):
         self._closed = True
         if dist.get_global_rank() == 0:
             log.info(
-                "run_stop: status aborted: training ended at %d samples, %.1f s, without a validation "
-                "loss <= %g",
+                "run_stop: status aborted: training ended at %d samples (batch %d; trainer.max_duration=%s), "
+                "%.1f s, without a validation loss <= %g",
                 int(state.timestamp.sample),
+                int(state.timestamp.batch),
+                self._max_duration,
                 self.elapsed_s(),
                 self.target,
             )

@@ -111,7 +111,7 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
         _check_target(run.scheduler, "scheduler")
     _check_values(run)
     _check_export_folders(run)
-    _refuse(quality_target_problem(run.callbacks, run.data.eval))
+    _refuse(quality_target_problem(run.callbacks, run.data.eval, run.trainer))
     run.trainer = _with_dist_timeout(run)
     return run
 

@@ -21,7 +21,6 @@ over with one microbatch a step: sd2-base's totals are 4-7% above its H100 peaks
 (docs/benchmarks.md; tests/test_plan_memory.py holds them to 10%).
 """
 
-import argparse
 import inspect
 from dataclasses import dataclass
 
@@ -72,11 +71,12 @@ def per_gpu(fp: Footprint, precision: Precision, shard: int, gpus: int, microbat
     return {**memory, "total": sum(memory.values())}
 
 
-def add_memory_arguments(parser, gpu_count) -> None:
-    """recipes.plan's options for the memory table (`gpu_count`: its argparse type of a GPU count)."""
+def add_memory_arguments(parser, gpu_count, gigabytes) -> None:
+    """recipes.plan's options for the memory table (`gpu_count`, `gigabytes`: its argparse types of a
+    GPU count and of a positive, finite number of GB)."""
     parser.add_argument(
         "--gpu-memory",
-        type=_gigabytes,
+        type=gigabytes,
         default=DEFAULT_GPU_MEMORY,
         help="GB (10^9 bytes) per GPU; shapes needing more do not fit (default: %(default)s)",
     )
@@ -89,12 +89,6 @@ def add_memory_arguments(parser, gpu_count) -> None:
         default=DEFAULT_GPUS_PER_NODE,
         help="a node's GPUs: `parallelism.shard: node`, and the shards suggested (default: %(default)s)",
     )
-
-
-def _gigabytes(value: str) -> float:
-    if float(value) <= 0:
-        raise argparse.ArgumentTypeError(f"--gpu-memory must be a positive number of GB, got {value}")
-    return float(value)
 
 
 def _default(fn, name: str):
@@ -118,7 +112,7 @@ def run_precision(run) -> Precision:
     return Precision(bf16_weights, bf16_weights or amp, _ema_bytes(run.algorithms))
 
 
-def _fsdp1(run) -> dict | None:
+def fsdp1(run) -> dict | None:
     """Composer's FSDP (trainer.parallelism_config.fsdp), the older way to shard, or None."""
     return (run.trainer.get("parallelism_config") or {}).get("fsdp")
 
@@ -130,7 +124,7 @@ def run_shard(run, gpus: int, gpus_per_node: int) -> tuple[int, bool]:
     shard = getattr(getattr(run, "parallelism", None), "shard", 1)
     if shard != 1:
         return (gpus_per_node if shard == "node" else int(shard)), True
-    fsdp = _fsdp1(run)
+    fsdp = fsdp1(run)
     if fsdp is None:
         return 1, True
     strategy = str(fsdp.get("sharding_strategy", "FULL_SHARD")).upper()
@@ -155,7 +149,7 @@ def run_footprint(run, shard: int) -> Footprint:
     recomputed = None
     if model["gradient_checkpointing"]:
         recomputed = "layers"
-    elif shard > 1 and (_fsdp1(run) is None or _fsdp1(run).get("activation_checkpointing")):
+    elif shard > 1 and (fsdp1(run) is None or fsdp1(run).get("activation_checkpointing")):
         recomputed = model["activation_checkpointing"]
     lora = model["lora"]
     if lora is not None:
@@ -219,29 +213,20 @@ def plan_memory(
         if not row["memory"]:
             notes.append(f"at {gpus} GPUs: no shard of {shards} divides {gpus}")
         elif over:
-            needs = ", ".join(f"shard {m['shard']} needs {m['total']:.1f} GB" for m in over)
+            needs = ", ".join(f"shard {m['shard']} needs {gb(m['total'])} GB" for m in over)
             line = f"at {gpus} GPUs: does not fit in {gpu_memory:g} GB per GPU (--gpu-memory): {needs}; "
             if fitting:
                 notes.append(line + f"the smallest listed shard that fits is {min(fitting)}")
             else:
-                notes.append(line + _suggest(run, gpus, microbatch, gpu_memory, gpus_per_node))
+                from recipes.memory_advice import suggest  # it reads this module's arithmetic
+
+                notes.append(line + suggest(run, row, gpu_memory, gpus_per_node))
     return notes, failed
 
 
-def _suggest(run, gpus: int, microbatch, gpu_memory: float, gpus_per_node: int) -> str:
-    """The smallest `parallelism.shard` (a divisor of a node's GPUs and of `gpus`) that fits, or what
-    else to change."""
-    shards = [s for s in range(1, gpus_per_node + 1) if gpus_per_node % s == 0 and gpus % s == 0]
-    for shard in shards:
-        total = shape_memory(run, gpus, shard, microbatch)["total"]
-        if total <= gpu_memory:
-            return f"the smallest shard that fits is {shard} ({total:.1f} GB: parallelism.shard={shard})"
-    node = shape_memory(run, gpus, shards[-1], microbatch)
-    return (
-        f"no shard up to a node ({gpus_per_node} GPUs) fits ({node['total']:.1f} GB at shard "
-        f"{shards[-1]}, {node['activations']:.1f} GB of it activations): lower "
-        "trainer.device_train_microbatch_size or recompute blocks (model.activation_checkpointing=blocks)"
-    )
+def gb(value: float) -> str:
+    """GB to 0.1, or to two figures below 0.05 (a tiny model's)."""
+    return f"{value:.1f}" if value >= 0.05 else f"{value:.2g}"
 
 
 def format_memory(rows: list[dict], gpu_memory: float) -> str:

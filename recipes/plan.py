@@ -36,9 +36,9 @@ Below it, memory per GPU at each count and sharding shape (the run's own, or `--
 fits, and a count where no shape fits also makes the exit status 1.
 """
 
-import argparse
 import json
 import logging
+import math
 import re
 import sys
 from dataclasses import asdict
@@ -48,7 +48,8 @@ from omegaconf import OmegaConf
 from recipes.compose import load_config
 from recipes.config import ConfigError, parse_config
 from recipes.convergence import benchmark_of, converging_rows, describe, no_benchmark
-from recipes.memory import add_memory_arguments, format_memory, plan_memory
+from recipes.memory import format_memory, plan_memory
+from recipes.plan_args import build_parser, parse_args  # noqa: F401 - build_parser: tests, --help
 from recipes.plan_plot import write_plot
 from recipes.scaling import plan_batches
 from recipes.throughput import Throughput, rate_note, read_throughput, write_throughput
@@ -57,8 +58,6 @@ __all__ = ["Throughput", "main", "plan_rows", "rate_note", "read_throughput", "w
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GPUS = [8, 16, 32, 64, 128, 256]
-DEFAULT_PRICE = 2.0  # $/A100-hour, the price the published mosaicml/diffusion cost figures use
 ROW_KEYS = ["gpus", "per_device_batch", "microbatch", "grad_accum", "images", "days", "gpu_hours", "cost"]
 ROW_KEYS += ["memory"]  # one dict per sharding shape: recipes/memory.py plan_memory, called by main
 
@@ -131,69 +130,11 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
-    # `--gpus 8 16 a.b=c` would otherwise hand `a.b=c` to --gpus; Hydra overrides contain `=` or
-    # start with `~` (delete), options start with `-`, so they can be told apart before argparse.
-    def is_override(arg):
-        return not arg.startswith("-") and ("=" in arg or arg.startswith("~"))
-
-    return [a for a in argv if not is_override(a)], [a for a in argv if is_override(a)]
-
-
-def _microbatch(value: str):
-    return value if value == "auto" else int(value)
-
-
-def _gpu_count(value: str) -> int:
-    if int(value) < 1:
-        raise argparse.ArgumentTypeError(f"a GPU count must be at least 1, got {value}")
-    return int(value)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m recipes.plan",
-        description="Per-device batch, gradient accumulation, days, GPU-hours and cost of a run at several "
-        "GPU counts. Assumes linear scaling (images/s per GPU constant across GPU counts), so cost is "
-        "the same for every count and the days are a lower bound at large counts.",
-        epilog="Trailing key=value arguments are Hydra overrides of the YAML, as for train.py.",
-    )
-    parser.add_argument("yaml", help="the run config, e.g. yamls/sd2-base.yaml")
-    parser.add_argument(
-        "--gpus", type=_gpu_count, nargs="+", default=DEFAULT_GPUS, help="GPU counts (world sizes)"
-    )
-    parser.add_argument("--img-per-sec-per-gpu", type=float, help="measured training throughput per GPU")
-    parser.add_argument(
-        "--throughput-file", help='JSON from a throughput benchmark: {"img_per_sec_per_gpu": ...}'
-    )
-    parser.add_argument(
-        "--price-per-gpu-hour",
-        type=float,
-        default=DEFAULT_PRICE,
-        help="$ per GPU-hour (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--microbatch",
-        type=_microbatch,
-        help="override trainer.device_train_microbatch_size (a cap: int, or auto)",
-    )
-    parser.add_argument(
-        "--per-gpu-batch",
-        type=_gpu_count,
-        help="a run to an MLPerf target: each count trains at global batch N x GPUs (MLPerf's way of "
-        "scaling out), priced at that batch's samples to converge (recipes/convergence.py)",
-    )
-    add_memory_arguments(parser, _gpu_count)
-    parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
-    parser.add_argument("--plot", help="also write a PNG of days and cost vs GPUs")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> None:
     """Print the plan; exit with status 1 when a GPU count's batch split fails or no shape of it fits
     (status 2: bad arguments, as argparse)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args, overrides = _parse_args(sys.argv[1:] if argv is None else argv)
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.yaml, overrides)
         # Planning needs no bucket or save folder: fill the `???` keys only a real run must set.
@@ -204,6 +145,11 @@ def main(argv: list[str] | None = None) -> None:
             throughput = Throughput(args.img_per_sec_per_gpu)
         else:
             throughput = read_throughput(args.throughput_file)
+            if not math.isfinite(throughput.img_per_sec_per_gpu):  # JSON's NaN and Infinity
+                raise ConfigError(
+                    f"throughput file {args.throughput_file} needs a positive 'img_per_sec_per_gpu', got "
+                    f"{throughput.img_per_sec_per_gpu}"
+                )
         microbatch = (
             run.trainer.get("device_train_microbatch_size") if args.microbatch is None else args.microbatch
         )
@@ -257,22 +203,6 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join([format_memory(rows, args.gpu_memory), *memory_notes]))
     if failed:
         sys.exit(1)
-
-
-def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The options and the trailing Hydra overrides; argparse's exit (status 2) on a bad or missing
-    throughput."""
-    parser = build_parser()
-    options, overrides = _split_overrides(argv)
-    args = parser.parse_args(options)
-    if args.img_per_sec_per_gpu is None and args.throughput_file is None:
-        parser.error(
-            "no throughput: pass --img-per-sec-per-gpu X (e.g. 137.5 for SD2 base at 256 px on A100s) "
-            "or --throughput-file bench/throughput.json written by a throughput benchmark"
-        )
-    if args.img_per_sec_per_gpu is not None and args.img_per_sec_per_gpu <= 0:
-        parser.error(f"--img-per-sec-per-gpu must be positive, got {args.img_per_sec_per_gpu}")
-    return args, overrides
 
 
 def _print_assumptions(

@@ -32,6 +32,7 @@ from extensions.checkpointing import install_atomic_checkpoint_writes
 from extensions.ema import find_ema
 from extensions.master_weights import MasterWeightAdamW, needs_masters
 from extensions.persistent_grads import PersistentGradients
+from extensions.quality_target import QualityTarget
 from extensions.sample_draws import SampleDraws
 from models import Autoencoder, build
 from models.build import check_pretrained
@@ -42,7 +43,9 @@ from models.record import ModelRecord, describe
 from models.torch_compile import compiles_with_cudagraphs
 from recipes.config import ConfigError, RunConfig, check_device, parse_config
 from recipes.data_checks import check_data
+from recipes.keep_checkpoints import adopt_earlier_checkpoints
 from recipes.load_check import resume_and_check
+from recipes.memory_check import check_memory
 from recipes.prepare import ensure_dataset, prepare_pretrained
 from recipes.run_parallelism import shape_of, with_parallelism
 from recipes.scaling import BatchPlan, plan_batches
@@ -59,8 +62,10 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     protect_config_secrets(dataclasses.asdict(run))  # before a logger (wandb) records the command line
     check_device(run)
     world_size = dist.get_world_size()
-    _plan(run, world_size)  # an uneven batch split fails here, before anything is built
-    sharded = shape_of(run, world_size).fsdp2  # so does a shard x replicate that is not the world size
+    plan = _plan(run, world_size)  # an uneven batch split fails here, before anything is built
+    shape = shape_of(run, world_size)  # so does a shard x replicate that is not the world size
+    check_memory(run, world_size, shape.shard, plan)  # and a model this device cannot hold
+    sharded = shape.fsdp2
     reproducibility.seed_all(run.seed)
     # Up once, before streaming or the Trainer would each start (and streaming destroy) their own;
     # when the Trainer would start one (composer/trainer/trainer.py), so one process stays without.
@@ -99,6 +104,7 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     if fsdp and torch.cuda.is_available():
         place_unsharded(kwargs["model"], torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
     trainer = Trainer(**kwargs)
+    adopt_earlier_checkpoints(trainer, kwargs.get("save_folder"), kwargs.get("save_filename"), run.run_name)
     cache_fsdp_enabled(trainer.state)  # Composer walks every module once a batch to ask this otherwise
     step_without_closure(trainer)  # no loss.item() between the backward and the optimizer's kernels
     # The remote `latest` pointer up to 2 s behind its checkpoint, not 30 s; so too the wait at a run's end.
@@ -314,6 +320,11 @@ def _finished(trainer: Trainer) -> bool:
         return False
     if (ema := find_ema(state.algorithms)) is not None:
         ema.bind(state.model)
+    if any(
+        isinstance(c, QualityTarget) and c.reached for c in state.callbacks
+    ):  # it ended the run, and said so
+        trainer.close()
+        return True
     log.warning(
         "run %s is complete: its newest checkpoint has trained %s of trainer.max_duration=%s; nothing "
         "to do (raise trainer.max_duration to train on)",

@@ -89,6 +89,8 @@ def snapshot(root: Path) -> dict[str, str]:
     }
 
 
+# An eval set, on the tiny recipe: the shapes themselves.
+EVAL = {"+data.eval": "{local: shapes, resolution: 32}", "trainer.eval_interval": "2ba"}
 # (case id, overrides on top of BASE (None removes a key), expected start of the message after
 # "config error: "), on the tiny recipe unless the overrides name another.
 CASES = [
@@ -279,6 +281,49 @@ CASES = [
     ("sampling method", {"data.train.sampling_method": "x"}, "data.train.sampling_method='x'; choose"),
     ("shuffle algorithm", {"data.train.shuffle_algo": "x"}, "data.train.shuffle_algo='x'; choose"),
     ("eval folder typo", {"+data.eval": "{local: evl}"}, "data.eval.local=evl does not exist"),
+    # A quality target (extensions/quality_target.py) that could never be judged or reached (issue 47)
+    (
+        "target without eval data",
+        {"callbacks.quality_target.target": "0.5"},
+        "'callbacks.quality_target.target' is set but the run has no data.eval to measure it on",
+    ),  # fmt: skip
+    (
+        "target never evaluated",
+        {**EVAL, "callbacks.quality_target.target": "0.5", "trainer.eval_interval": "0"},
+        "'trainer.eval_interval' is 0, which never evaluates, so callbacks.quality_target.target=0.5 can "
+        "never be judged; set trainer.eval_interval to a positive interval",
+    ),  # fmt: skip
+    (
+        "target evaluated every 0 batches",
+        {**EVAL, "callbacks.quality_target.target": "0.5", "trainer.eval_interval": "0ba"},
+        "'trainer.eval_interval' is '0ba', which never evaluates",
+    ),  # fmt: skip
+    (
+        "target evaluated every -100 samples",
+        {**EVAL, "callbacks.quality_target.target": "0.5", "trainer.eval_interval": "-100sp"},
+        "'trainer.eval_interval' is '-100sp', which never evaluates",
+    ),  # fmt: skip
+    (
+        "target evaluated on no batch",
+        {**EVAL, "callbacks.quality_target.target": "0.5", "+trainer.eval_subset_num_batches": "0"},
+        "'trainer.eval_subset_num_batches' is 0, which evaluates no batch",
+    ),  # fmt: skip
+    (
+        "negative target",
+        {**EVAL, "callbacks.quality_target.target": "-0.1"},
+        "callbacks.quality_target.target=-0.1 can never be reached: the validation loss is a mean squared "
+        "error, never below 0; a target must be > 0",
+    ),  # fmt: skip
+    (
+        "zero target",
+        {**EVAL, "callbacks.quality_target.target": "0"},
+        "callbacks.quality_target.target=0 can never be reached",
+    ),  # fmt: skip
+    (
+        "infinite target",
+        {**EVAL, "callbacks.quality_target.target": "inf"},
+        "callbacks.quality_target.target=inf must be a validation loss",
+    ),  # fmt: skip
     # Their earlier work
     (
         "earlier run's checkpoints",

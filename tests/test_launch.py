@@ -63,3 +63,23 @@ def test_a_failing_rank_ends_the_launch_and_shows_its_error(tmp_path):
     result, seconds = _launch(tmp_path, "1")
     assert result.returncode == 1 and seconds < 30, (result.returncode, seconds)  # rank 0 slept 120 s
     assert "rank 1 failed" in result.stderr
+
+
+def test_a_config_error_under_composer_is_said_once_and_last_of_ours(tmp_path):
+    """`composer -n 2 train.py` with a mistake (issue 47): one `config error:` line, from rank 0, and
+    the launch's exit status 1; no rank's banner around a second copy of it."""
+    from tests.conftest import REPO
+
+    command = [
+        COMPOSER,
+        "-n",
+        "2",
+        str(REPO / "train.py"),
+        str(REPO / "yamls/tiny-cpu.yaml"),
+        "optimizer.lr=oops",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert output.count("config error: 'optimizer.lr' must be a number, got 'oops'") == 1, output[-3000:]
+    assert "Begin global rank 1" not in output and "Rank 1 crashed" not in output, output[-3000:]

@@ -239,6 +239,67 @@ def test_missing_or_bad_throughput_fails_clearly(sd2_yaml, tmp_path, capsys):
         main([str(sd2_yaml), "--img-per-sec-per-gpu", "1", "trainer.max_durations=1ba"])
 
 
+POSITIVE = "must be a positive, finite number of"
+WHOLE = "must be a whole number of"
+# Every number the planner takes on its command line, with values that are no such number (issue 47):
+# (flag, value, what the error says after "argument FLAG: ").
+BAD_NUMBERS = [
+    *[("--img-per-sec-per-gpu", v, f"{POSITIVE} images/s per GPU, got {v}") for v in ("nan", "inf", "-inf")],
+    *[
+        ("--img-per-sec-per-gpu", v, f"{POSITIVE} images/s per GPU, got {v}")
+        for v in ("-1", "0", "-1e3", "x")
+    ],
+    *[("--price-per-gpu-hour", v, f"{POSITIVE} $ per GPU-hour, got {v}") for v in ("nan", "inf", "-inf")],
+    *[("--price-per-gpu-hour", v, f"{POSITIVE} $ per GPU-hour, got {v}") for v in ("-2", "0")],
+    *[("--gpu-memory", v, f"{POSITIVE} GB, got {v}") for v in ("nan", "inf", "-inf", "-80", "0")],
+    *[("--gpus", v, f"{WHOLE} GPUs, at least 1, got {v}") for v in ("nan", "inf", "-inf", "0", "-8", "1.5")],
+    *[("--shard", v, f"{WHOLE} GPUs, at least 1, got {v}") for v in ("nan", "inf", "0", "-2")],
+    *[("--gpus-per-node", v, f"{WHOLE} GPUs, at least 1, got {v}") for v in ("nan", "-inf", "0")],
+    *[("--per-gpu-batch", v, f"{WHOLE} samples per GPU, at least 1, got {v}") for v in ("nan", "inf", "0")],
+    *[
+        ("--microbatch", v, f"must be auto or a whole number of samples, at least 1, got {v}")
+        for v in ("nan", "0")
+    ],
+]
+
+
+@pytest.mark.parametrize("flag, value, says", BAD_NUMBERS, ids=[f"{f} {v}" for f, v, _ in BAD_NUMBERS])
+def test_a_number_that_is_no_number_is_an_argparse_error_naming_flag_and_value(
+    flag, value, says, sd2_yaml, capsys
+):
+    """`--flag nan` and the like: exit 2 with argparse's one error line, before the YAML is read, where
+    they gave a traceback or a plan of "0.00 days, $0"."""
+    rate = [] if flag == "--img-per-sec-per-gpu" else ["--img-per-sec-per-gpu", "137.5"]
+    with pytest.raises(SystemExit) as exit_:
+        main([str(sd2_yaml), *rate, flag, value])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert err.splitlines()[-1] == f"python -m recipes.plan: error: argument {flag}: {says}"
+    assert "Traceback" not in err
+
+
+def test_a_negative_number_among_several_values_is_its_flag_s_error(sd2_yaml, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([str(sd2_yaml), "--img-per-sec-per-gpu", "137.5", "--gpus", "8", "16", "-inf"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m recipes.plan: error: argument --gpus: {WHOLE} GPUs, at least 1, got -inf"
+    )
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_throughput_file_of_no_number_is_a_config_error(value, sd2_yaml, tmp_path, capsys):
+    path = tmp_path / "throughput.json"
+    path.write_text(f'{{"img_per_sec_per_gpu": {value}}}')  # what Python's json writes for nan and inf
+    with pytest.raises(SystemExit) as exit_:
+        main([str(sd2_yaml), "--throughput-file", str(path)])
+    assert (
+        exit_.value.code
+        == f"config error: throughput file {path} needs a positive 'img_per_sec_per_gpu', got "
+        + ({"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[value])
+    )
+
+
 def test_help_states_the_linear_scaling_assumption():
     assert "linear scaling" in " ".join(build_parser().format_help().split())
 

@@ -12,6 +12,7 @@ method with itself.
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -172,7 +173,8 @@ def test_gpu_memory_refuses_the_shapes_that_do_not_fit(capsys, caplog):
         main([yaml, *RATE, "--gpu-memory", "0"])
     assert (
         exit_.value.code == 2
-        and "--gpu-memory must be a positive number of GB, got 0" in capsys.readouterr().err
+        and "error: argument --gpu-memory: must be a positive, finite number of GB, got 0"
+        in capsys.readouterr().err
     )
     shapes = ["--gpus", "8", "--shard", "1", "2", "4", "8"]
     totals = {
@@ -215,6 +217,60 @@ def test_gpu_memory_refuses_the_shapes_that_do_not_fit(capsys, caplog):
     assert (
         f"no shard up to a node (8 GPUs) fits ({totals[8]:.1f} GB at shard 8" in caplog.text
     )  # JSON: the log
+
+
+def _advice(capsys, *args) -> str:
+    """The memory line of a count that does not fit: main's last line, with exit status 1."""
+    with pytest.raises(SystemExit) as exit_:
+        main([str(REPO / "yamls/tiny-mmdit-cpu.yaml"), *RATE, "--gpus", "8", *TINY_BATCH, *args])
+    assert exit_.value.code == 1
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("at 8 GPUs: does not fit in "), line
+    return line
+
+
+# The tiny transformer at 32 per GPU, microbatches of at most 32; its recipe's own settings: it already
+# shards over the node (8 GPUs) and recomputes its blocks.
+TINY_BATCH = ["global_train_batch_size=256", "trainer.device_train_microbatch_size=32"]
+SHARDED_RECOMPUTED = ["parallelism.shard=node", "model.activation_checkpointing=blocks"]
+
+
+def test_the_advice_names_only_what_the_recipe_does_not_have(capsys):
+    """Issue 47: where nothing fits, the advice named sharding and recomputed blocks to a recipe that
+    had both. Now it names the one change left (a smaller microbatch), and, where nothing it knows of
+    would fit, says so."""
+    tiny = str(REPO / "yamls/tiny-mmdit-cpu.yaml")
+    (own,) = _plan(capsys, tiny, "--gpus", "8", *TINY_BATCH, *SHARDED_RECOMPUTED)[0]["memory"]
+    one = TINY_BATCH[:1] + ["trainer.device_train_microbatch_size=1"]
+    (least,) = _plan(capsys, tiny, "--gpus", "8", *one, *SHARDED_RECOMPUTED)[0]["memory"]
+    assert (own["shard"], own["microbatch"], least["microbatch"]) == (8, 32, 1)
+    assert least["total"] < own["total"]
+
+    # Between the two: a smaller microbatch fits, and it is the only change named.
+    per_sample = (own["activations"] - least["activations"]) / 31
+    limit = least["total"] + 16.5 * per_sample  # microbatch 16 fits (16 - 1 more samples), 32 does not
+    line = _advice(capsys, *SHARDED_RECOMPUTED, "--gpu-memory", f"{limit:.6f}")
+    assert re.search(r"; it fits with trainer.device_train_microbatch_size=16 \(0\.0\d+ GB\)$", line), line
+    assert f"no shard up to a node (8 GPUs) fits ({own['total']:.2g} GB at shard 8" in line
+    assert "activation_checkpointing" not in line and "parallelism.shard" not in line
+
+    # Without the recomputed blocks, recomputing them is a way too (as is a smaller microbatch).
+    line = _advice(capsys, "parallelism.shard=node", "--gpu-memory", f"{own['total'] * 1.01:.6f}")
+    assert "it fits with trainer.device_train_microbatch_size=" in line
+    assert line.endswith(f", or with model.activation_checkpointing=blocks ({own['total']:.2g} GB)"), line
+
+    # Below the least any known setting needs: said plainly, with that least and what it is made of.
+    line = _advice(capsys, *SHARDED_RECOMPUTED, "--gpu-memory", "0.01")
+    said = line.split("per GPU (--gpu-memory): ")[1]
+    assert said.startswith(
+        f"shard 8 needs {own['total']:.2g} GB; no setting we know fits this in 0.01 GB per GPU: the least "
+        f"it needs is {least['total']:.2g} GB (weights {least['weights']:.2g}, gradients "
+    ), said
+    assert said.endswith(
+        f"activations {least['activations']:.2g} GB), with shard 8 (as the run is), microbatch 1 "
+        "(trainer.device_train_microbatch_size=1), activations recomputed (as the run is); what is left: "
+        "GPUs with more memory, a shard across nodes (over 8 GPUs), or a smaller model or resolution"
+    ), said
 
 
 # docs/benchmarks.md "GPU figures", 2026-11-26: sd2-base on one H100 80GB, precomputed latents, one

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from composer.core import Callback
+from composer.core import Callback, Time, TimeUnit
 from composer.loggers import InMemoryLogger
 
 from extensions.quality_target import QualityTarget
@@ -102,17 +102,27 @@ def test_the_first_validation_under_the_target_saves_and_stops_the_run(
     del trainer
     gc.collect()
 
-    # Rerunning the command (autoresume from the checkpoint of the stop) trains nothing more.
-    rerun = train(config)
+    # Rerunning the command (autoresume from the checkpoint of the stop) trains nothing more, and says
+    # why, naming the run's trainer.max_duration (not the stop's batch, which stop_training leaves).
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="extensions.quality_target"):
+        rerun = train(config)
     assert int(rerun.state.timestamp.batch) == stop
+    (said,) = [r.getMessage() for r in caplog.records if "reached its quality target" in r.getMessage()]
+    assert f"batch {stop}; trainer.max_duration={BATCHES}ba); nothing to train" in said, said
+    assert not [r for r in caplog.records if "is complete" in r.getMessage()]  # not also "raise max_duration"
     assert sorted(p.name for p in save.glob("ep*.pt")) == saved
 
 
 class _State(SimpleNamespace):
     stopped = False
+    max_duration = None
 
     def stop_training(self):
+        """Composer's: max_duration becomes the batch it stops at."""
         self.stopped = True
+        if self.max_duration is not None:
+            self.max_duration = Time(int(self.timestamp.batch), TimeUnit.BATCH)
 
 
 def _evaluate(callback, loss, batch=3, metrics=METRIC):
@@ -140,7 +150,12 @@ def test_without_a_target_or_above_it_the_run_goes_on(caplog):
 
 def test_a_run_that_ends_above_the_target_logs_run_stop_aborted(caplog):
     callback = QualityTarget(target=0.5)
-    state = _State(timestamp=SimpleNamespace(sample=6 * BATCH, batch=6), evaluators=["eval"], run_name="r")
+    state = _State(
+        timestamp=SimpleNamespace(sample=6 * BATCH, batch=6),
+        evaluators=["eval"],
+        run_name="r",
+        max_duration=Time.from_timestring("6ba"),
+    )
     with caplog.at_level(logging.INFO, logger="extensions.quality_target"):
         callback.fit_start(state, None)
         _evaluate(callback, 0.7)
@@ -149,9 +164,54 @@ def test_a_run_that_ends_above_the_target_logs_run_stop_aborted(caplog):
     aborted = [
         r.getMessage() for r in caplog.records if r.getMessage().startswith("run_stop: status aborted")
     ]
-    assert len(aborted) == 1 and f"at {6 * BATCH} samples" in aborted[0]
+    assert len(aborted) == 1 and f"at {6 * BATCH} samples (batch 6; trainer.max_duration=6ba)" in aborted[0]
     with pytest.raises(ValueError, match="target=nan must be a validation loss"):
         QualityTarget(target=float("nan"))
+
+
+def test_the_lines_at_the_stop_and_on_a_rerun_name_the_run_s_own_max_duration(caplog):
+    """The run's trainer.max_duration (6ba), not the one state.stop_training() leaves (the batch it
+    stopped at): at the stop, and in the rerun of a run that reached its target (issue 47)."""
+    state = _State(
+        timestamp=SimpleNamespace(sample=2 * BATCH, batch=2),
+        eval_metric_values={METRIC: torch.tensor(0.4)},
+        evaluators=["eval"],
+        run_name="r",
+        max_duration=Time.from_timestring("6ba"),
+    )
+    callback = QualityTarget(target=0.5)
+    with caplog.at_level(logging.INFO, logger="extensions.quality_target"):
+        callback.after_load(state, None)  # a fresh run: nothing loaded
+        callback.fit_start(state, None)
+        callback.eval_after_all(state, SimpleNamespace(log_metrics=dict))
+        callback.close(state, None)
+    assert state.stopped and state.max_duration == Time(2, TimeUnit.BATCH)  # Composer's stop
+    (stop,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run_stop")]
+    assert stop.startswith("run_stop: status success") and "trainer.max_duration=6ba;" in stop, stop
+    saved = callback.state_dict()
+
+    caplog.clear()  # the rerun: a new process, the same command, autoresume loads the stop's state
+    rerun = QualityTarget(target=0.5)
+    rerun.load_state_dict(saved)
+    state = _State(
+        timestamp=SimpleNamespace(sample=2 * BATCH, batch=2),
+        run_name="r",
+        max_duration=Time.from_timestring("6ba"),
+    )
+    with caplog.at_level(logging.INFO, logger="extensions.quality_target"):
+        rerun.after_load(state, None)
+    assert state.stopped and state.max_duration == Time(2, TimeUnit.BATCH)  # nothing to train
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("run r reached its quality target in the checkpoint it resumes (loss 0.4 <= 0.5")
+    assert "at 32 samples, batch 2; trainer.max_duration=6ba); nothing to train" in line, line
+    assert "trainer.max_duration=2ba" not in line
+
+    # A lower target goes on, to the run's max_duration.
+    state = _State(timestamp=SimpleNamespace(sample=2 * BATCH, batch=2), max_duration=Time(6, TimeUnit.BATCH))
+    lower = QualityTarget(target=0.3)
+    lower.load_state_dict(saved)
+    lower.after_load(state, None)
+    assert not state.stopped and lower.reached is None
 
 
 def test_the_metric_is_the_fixed_timestep_loss_when_measured_else_the_mse():
