@@ -5,7 +5,7 @@ data/synthetic.py, converted by our own `sd-convert folder`) when it is not ther
 
 `prepare_pretrained`: yamls/tiny-cpu.yaml loads its VAE from runs/tiny-vae/export, which
 yamls/tiny-vae.yaml writes. So `python train.py yamls/tiny-cpu.yaml` works on a fresh checkout, the
-first run trains the VAE (about 2 minutes on 2 idle cores, yamls/tiny-cpu.yaml) in a subprocess. Launched ranks queue on a file
+first run trains the VAE (about 2 minutes on 2 idle cores) in a subprocess. Launched ranks queue on a file
 lock: one trains, the rest find the folder made. The subprocess runs without the launcher's
 distributed variables, as one process.
 """
@@ -63,7 +63,7 @@ def prepare_pretrained(folder: str | None, recipe: str) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         if Path(folder).exists():  # another rank made it while this one waited
             return
-        log.info("model.pretrained=%s is missing: running %s to make it (its progress follows)", folder, recipe)
+        log.info("model.pretrained=%s is missing: running %s to make it (progress below)", folder, recipe)
         env = {k: v for k, v in os.environ.items() if k not in DIST_VARIABLES}
         done = subprocess.run([sys.executable, str(ENTRY), recipe], env=env)
         if done.returncode != 0:
