@@ -98,10 +98,11 @@ def _variant(run, gpus: int, own: tuple[int, bool], shard: int, recompute: bool,
     return _Variant(changes, shard, counted, recompute or not extra, memory)
 
 
-def suggest(run, row: dict, gpu_memory: float, gpus_per_node: int) -> str:
+def suggest(run, row: dict, gpu_memory: float, gpus_per_node: int, cpu: bool = False) -> str:
     """What to change so that `row`'s GPU count fits in `gpu_memory` GB: the smallest shard (a divisor of
     a node's GPUs and of the count) that fits, else the fewest other changes that do, each naming only
-    settings the run does not have yet; or, plainly, that no setting known here fits."""
+    settings the run does not have yet; or, plainly, that no setting known here fits. `cpu`: a CPU run's
+    (recipes/memory_check.py), whose devices are processes sharing the host's memory."""
     gpus = row["gpus"]
     counted = 1 if row["microbatch"] in (None, "auto") else row["microbatch"]  # auto: as shape_memory
     shards = [s for s in range(1, gpus_per_node + 1) if gpus_per_node % s == 0 and gpus % s == 0]
@@ -127,7 +128,7 @@ def suggest(run, row: dict, gpu_memory: float, gpus_per_node: int) -> str:
     ruled_out = "" if problem is None else f"; sharding is not counted ({problem})"
     if not fitting:
         least = min(variants, key=lambda v: (v.memory["total"], len(v.changes)))
-        return _nothing_fits(least, row["microbatch"], gpu_memory, gpus_per_node, problem)
+        return _nothing_fits(least, row["microbatch"], gpu_memory, gpus_per_node, problem, cpu)
     fewest = min(len(v.changes) for v in fitting)
     best = {}  # per set of kinds changed: the smallest shard, then the largest microbatch
     for v in sorted(fitting, key=lambda v: (v.shard, -v.microbatch)):
@@ -137,7 +138,7 @@ def suggest(run, row: dict, gpu_memory: float, gpus_per_node: int) -> str:
     as_is = (counted, counted)
     if problem is None:
         node = _variant(run, gpus, own, max(shards[-1], own[0]), False, as_is)
-        head = f"no shard up to a node ({gpus_per_node} GPUs) fits"
+        head = f"no shard up to a node ({_devices(gpus_per_node, cpu)}) fits"
     else:
         node = _variant(run, gpus, own, own[0], False, as_is)
         head = "the run's shard does not fit"
@@ -149,7 +150,9 @@ def suggest(run, row: dict, gpu_memory: float, gpus_per_node: int) -> str:
     )
 
 
-def _nothing_fits(least: _Variant, microbatch, gpu_memory: float, gpus_per_node: int, problem) -> str:
+def _nothing_fits(
+    least: _Variant, microbatch, gpu_memory: float, gpus_per_node: int, problem, cpu: bool = False
+) -> str:
     """The line for a count where no setting known here fits: the least memory any of them needs, the
     settings that give it (the run's own, or the overrides), what that memory is made of, and what
     is left to try (`problem`: why the config rules out sharding, if it does)."""
@@ -169,11 +172,18 @@ def _nothing_fits(least: _Variant, microbatch, gpu_memory: float, gpus_per_node:
         settings.append(setting("recompute", "activations recomputed"))
     parts = ", ".join(f"{c} {gb(least.memory[c])}" for c in COLUMNS if least.memory[c] > 0)
     if problem is None:
-        left = f"a shard across nodes (over {gpus_per_node} GPUs), "
+        left = f"a shard across nodes (over {_devices(gpus_per_node, cpu)}), "
     else:
         left = f"sharding, which the config rules out now ({problem}), "
     return (
-        f"no setting we know fits this in {gpu_memory:g} GB per GPU: the least it needs is "
-        f"{gb(least.memory['total'])} GB ({parts} GB), with {', '.join(settings)}; what is left: GPUs with "
-        f"more memory, {left}or a smaller model or resolution"
+        f"no setting we know fits this in {gpu_memory:g} GB per {'process' if cpu else 'GPU'}: the least it "
+        f"needs is {gb(least.memory['total'])} GB ({parts} GB), with {', '.join(settings)}; what is left: "
+        f"{'a host' if cpu else 'GPUs'} with more memory, {left}or a smaller model or resolution"
     )
+
+
+def _devices(count: int, cpu: bool) -> str:
+    """`count` GPUs, or on a CPU run processes."""
+    if cpu:
+        return f"{count} process" + ("es" if count != 1 else "")
+    return f"{count} GPU" + ("s" if count != 1 else "")

@@ -89,9 +89,9 @@ def check_memory(run, world_size: int, shard: int, plan) -> None:
         f"{k} {row[k]:.1f}" for k in ("weights", "gradients", "optimizer", "ema", "frozen", "activations")
     )
     asked = {"gpus": world_size, "microbatch": plan.microbatch, "per_device_batch": plan.per_device_batch}
-    advice = suggest(
-        run, asked, round(have / 1e9, 1), int(os.environ.get("LOCAL_WORLD_SIZE", DEFAULT_GPUS_PER_NODE))
-    )
+    cpu = run.trainer.get("device") == "cpu" or not torch.cuda.is_available()
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", 1 if cpu else DEFAULT_GPUS_PER_NODE))
+    advice = suggest(run, asked, round(have / 1e9, 1), node, cpu)
     raise ConfigError(
         f"model.preset={preset} needs about {row['total']:.1f} GB per device ({parts} GB; shard {shard}, "
         f"microbatch {row['microbatch']}; python -m recipes.plan), and {where}: {advice} "

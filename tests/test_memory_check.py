@@ -60,6 +60,7 @@ def test_flux_dev_on_a_24_gb_host_is_one_line_before_anything_is_built(
     assert message.startswith("config error: model.preset=flux-dev needs about "), message
     assert "this host has 24.0 GB of memory available" in message and "python -m recipes.plan" in message
     assert "SD_MEMORY_CHECK=off skips this check" in message and "\n" not in message
+    assert "GPU" not in message, message  # a CPU run: processes and a host, not GPUs
     total = float(message.split("needs about ")[1].split(" GB")[0])
     assert total > 150  # 11.9e9 trained parameters at 16 bytes each, before the rest
     assert not nothing_built
