@@ -17,6 +17,10 @@ losses), and commit the JSON with that change, saying why in the commit message:
 
 It writes the commit it ran at; a re-record from a tree with uncommitted changes to models/, data/,
 convert/ or recipes/ is marked "dirty" so a reader knows the bits may not be that commit's.
+`--add PRESET` records one family that has none yet, leaving the others' bits as recorded (its
+commit goes under "added"):
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m tests.golden.make_family_bits --add flux-tiny
 """
 
 import hashlib
@@ -29,7 +33,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).with_name("family-bits.json")
-RECIPES = {"tiny": "tiny-cpu", "sdxl-tiny": "tiny-sdxl-cpu", "mmdit-tiny": "tiny-mmdit-cpu"}
+RECIPES = {
+    "tiny": "tiny-cpu",
+    "sdxl-tiny": "tiny-sdxl-cpu",
+    "mmdit-tiny": "tiny-mmdit-cpu",
+    "flux-tiny": "tiny-flux-cpu",
+}
 BATCHES = 3
 PROMPTS = ["a red circle", "a blue square"]
 SAMPLING = dict(guidance_scale=4.0, num_inference_steps=4, seed=3)
@@ -147,18 +156,37 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
 
-def main(out: Path = GOLDEN) -> None:
+def record(presets) -> dict:
     import torch
 
     torch.set_num_threads(1)  # as tests/conftest.py: other thread counts give other last bits
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", *CODE))
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         shapes = build_shapes(Path(tmp) / "shapes")
         families = {}
-        for preset in RECIPES:
+        for preset in presets:
             (Path(tmp) / preset).mkdir()
             families[preset] = family_bits(preset, shapes, Path(tmp) / preset)
+    return families
+
+
+def add(preset: str, out: Path = GOLDEN) -> None:
+    """Record `preset` alone into `out`, whose other families stay as recorded."""
+    golden = json.loads(out.read_text())
+    if preset in golden["families"]:
+        raise SystemExit(f"{preset} is recorded already: re-record them all when numerics change on purpose")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", *CODE))
+    golden["families"][preset] = record([preset])[preset]
+    golden.setdefault("added", {})[preset] = {"commit": _git("rev-parse", "HEAD"), "dirty": dirty}
+    out.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    print(f"added {preset} to {out}")
+
+
+def main(out: Path = GOLDEN) -> None:
+    import torch
+
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", *CODE))
+    families = record(RECIPES)
     golden = {
         "generator": "tests/golden/make_family_bits.py",
         "commit": _git("rev-parse", "HEAD"),
@@ -172,4 +200,7 @@ def main(out: Path = GOLDEN) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else GOLDEN)
+    if sys.argv[1:2] == ["--add"]:
+        add(sys.argv[2])
+    else:
+        main(Path(sys.argv[1]) if len(sys.argv) > 1 else GOLDEN)
