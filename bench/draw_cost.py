@@ -19,13 +19,15 @@ from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
 from compat.diffusers import DiagonalGaussianDistribution
 from models.draw_keys import draw_seeds
+from models.family import of
 from models.flops import latent_size
 from models.objectives import DDPM, RectifiedFlow
-from models.presets import PRESETS, family
+from models.presets import PRESETS
 
 
 def objective_of(preset: str):
-    if family(preset) in ("sd", "sdxl"):
+    """The family's kind of objective (models/family.py `objective`), with its usual scheduler."""
+    if of(preset).objective == "ddpm":
         return DDPM(DDPMScheduler(num_train_timesteps=1000))
     return RectifiedFlow(FlowMatchEulerDiscreteScheduler(shift=3.0))
 

@@ -25,7 +25,7 @@ def plain_loop(
     from bench import profile_summary
     from models import build_model
     from models.flops import latent_size
-    from models.presets import family
+    from models.stored_form import stored_shapes
     from recipes.reference_step import train_step
 
     device = torch.device(device)
@@ -33,22 +33,14 @@ def plain_loop(
     model = build_model(preset).to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     size = latent_size(preset, resolution)
-    # The VAE's mean and log-variance, as convert latents writes them, for the UNet or transformer.
-    moments = 2 * model.denoiser.config.in_channels
-    # The stored text condition: each CLIP's hidden states side by side (SDXL's and SD3's two), and the
-    # pooled vector SDXL (bigG's) and SD3 (both CLIPs') condition on.
-    encoders = [model.text_encoder, getattr(model, "text_encoder_2", None)]
-    width = sum(encoder.config.hidden_size for encoder in encoders if encoder is not None)
-    data = {
-        "latents": torch.randn(batch, moments, size, size, device=device),
-        "text_embeds": torch.randn(batch, 77, width, device=device),
-    }
-    if family(preset) == "sdxl":
-        pooled = model.text_encoder_2.config.projection_dim
-    elif family(preset) == "mmdit":
-        pooled = model.denoiser.config.pooled_projection_dim
-    if family(preset) != "sd":
-        data["pooled_text_embeds"] = torch.randn(batch, pooled, device=device)
+    # The VAE's mean and log-variance, as convert latents writes them, for the UNet or transformer, and
+    # the stored text condition of the preset's family (models/stored_form.py: its conditioner's own
+    # columns and shapes, e.g. SD2's CLIP context, SDXL's and SD3's pooled vector, Flux's T5 context).
+    moments = 2 * model.vae.config.latent_channels  # the VAE's channels: Flux packs 2x2 of them per token
+    data = {"latents": torch.randn(batch, moments, size, size, device=device)}
+    data.update(
+        {name: torch.randn(batch, *shape, device=device) for name, shape in stored_shapes(preset).items()}
+    )
 
     def step():  # the recipe's step as a plain loop writes it (recipes/reference_step.py), no EMA
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):

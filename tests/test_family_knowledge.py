@@ -23,6 +23,7 @@ PRODUCT = [
     "common",
     "compat",
     "demo",
+    "bench",
 ]
 NAMES = set(FAMILIES)
 CLASSES = {family.model_class.__name__ for family in FAMILIES.values()}

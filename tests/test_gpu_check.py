@@ -175,6 +175,14 @@ def test_plain_loop_ceiling_trains_the_recipes_model(tmp_path):
     assert summary["gpu_busy_fraction"] is None and summary["aten_ops_per_step"] > 100
 
 
+@pytest.mark.parametrize("preset", ["sdxl-tiny", "mmdit-tiny", "flux-tiny"])
+def test_plain_loop_builds_each_family_s_stored_batch(preset):
+    """Its batch is the family's stored form (models/stored_form.py), so Flux's T5 context and pooled
+    CLIP vector too, where it once built SD3's shapes for every transformer (issue 48)."""
+    img_s, peak = plain_loop.plain_loop(preset, 32, batch=2, steps=1, warmup=0, device="cpu")
+    assert img_s > 0 and peak is None
+
+
 def test_table_reports_the_training_path_against_the_plain_loop():
     rows = [
         {"variant": "baseline", "resolution": 256, "microbatch": 32, "ok": True, "img_s": 100.0,
