@@ -139,9 +139,9 @@ def build_model(
         "blocks", "layers") and the ones recomputed in the backward pass under FSDP (None, "blocks",
         "layers"); see models/sharding.py (a transformer's blocks and layers are both its
         joint-attention blocks).
-    lora: {rank, alpha, target_modules, dropout} trains a peft LoRA adapter instead of the UNet
-        (models/lora.py); needs every network from `pretrained`, and checkpoints hold the adapter only.
-        UNet presets only, for now.
+    lora: {rank, alpha, target_modules, dropout} trains a peft LoRA adapter instead of the denoiser
+        (models/lora.py; the family's default targets: models/family.py `lora_targets`); needs every
+        network from `pretrained`, and checkpoints hold the adapter only.
     param_dtype: None or "float32" (the default: fp32 weights, which autocast casts to bf16 on each
         use), or "bfloat16": the denoiser's weights and buffers are bf16 (cast after the other
         switches), so the forward and backward read them as they are; the run's AdamW keeps fp32

@@ -86,7 +86,7 @@ def checked(
             "a T5 tokenizer cannot be built offline"
         )
     if lora is not None:
-        lora = check_lora_options(lora, pretrained, pretrained_components)
+        lora = check_lora_options(lora, pretrained, pretrained_components, preset)
 
     return objective, pretrained_components, lora
 
@@ -139,8 +139,6 @@ def _check_switches(
         raise ValueError(
             "attention='math' is a UNet option: the transformer's joint attention runs sdpa only"
         )
-    if family.denoiser != "unet" and lora is not None:
-        raise ValueError(f"model.lora trains UNet presets only for now, not an {family.name} preset")
     for key, value in (("fsdp_wrap", fsdp_wrap), ("activation_checkpointing", activation_checkpointing)):
         if value is not None and value not in GRANULARITIES:
             raise ValueError(f"{key}={value!r}; choose one of {GRANULARITIES}")

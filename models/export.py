@@ -333,10 +333,11 @@ def export(args: argparse.Namespace) -> None:
                 f"{args.checkpoint} is not a LoRA checkpoint; export it without --lora/--merge-lora"
             )
     elif args.lora:
-        pipeline_class = families.of_model(model).pipeline
+        family = families.of_model(model)
+        pipeline_class = family.pipeline
         out_dir = Path(args.out_dir)
         with written_into_place(out_dir) as tmp:
-            save_lora(model.denoiser, tmp, pipeline_class)
+            save_lora(model.denoiser, tmp, pipeline_class, family.denoiser)
         print(f"LoRA weights: {out_dir.resolve()} ({pipeline_class.__name__}.load_lora_weights loads it)")
         return
     elif args.merge_lora:

@@ -98,6 +98,9 @@ class Family:
     # (null), diffusers' own initialisation.
     inits: dict = field(default_factory=dict)
     encoder_precision: str = "fp32"  # `sd-convert latents`' default --precision (convert/latents.py)
+    # `model.lora`'s default target modules: the denoiser's layers diffusers' own LoRA scripts train
+    # (train_text_to_image_lora.py and its SDXL twin: the attention projections; models/lora.py).
+    lora_targets: tuple[str, ...] = ("to_k", "to_q", "to_v", "to_out.0")
 
     @property
     def conditioner(self):
@@ -181,6 +184,17 @@ _FLUX = dict(
     scheduler=FlowMatchEulerDiscreteScheduler,
 )
 
+SD3_LORA_TARGETS = (
+    "attn.to_k",
+    "attn.to_q",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
 FAMILIES = {
     family.name: family
     for family in (
@@ -228,6 +242,8 @@ FAMILIES = {
             samplers=("euler",),
             guidance_rescale=False,
             save_folder=save_sd3_folder,
+            # train_dreambooth_lora_sd3.py: both streams' attention projections.
+            lora_targets=SD3_LORA_TARGETS,
         ),
         Family(
             "flux",
@@ -247,6 +263,14 @@ FAMILIES = {
             save_folder=save_flux_folder,
             inits={"reference": reference_init},  # the MLPerf Flux.1 reference's (models/flux_init.py)
             encoder_precision="bf16",  # as the MLPerf reference's preprocessing loads VAE, T5 and CLIP
+            # train_dreambooth_lora_flux.py: the attention projections and both streams' MLPs.
+            lora_targets=(
+                *SD3_LORA_TARGETS,
+                "ff.net.0.proj",
+                "ff.net.2",
+                "ff_context.net.0.proj",
+                "ff_context.net.2",
+            ),
         ),
     )
 }

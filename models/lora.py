@@ -1,54 +1,69 @@
-"""LoRA adapters on the UNet with peft, the way diffusers' train_text_to_image_lora.py adds them.
+"""LoRA adapters on the denoiser (a UNet or a transformer) with peft, the way diffusers' LoRA scripts
+add them (train_text_to_image_lora.py, train_dreambooth_lora_sd3.py, train_dreambooth_lora_flux.py;
+each family's default targets are its `lora_targets` in models/family.py).
 
-`add_lora(model, rank=..., alpha=..., target_modules=..., dropout=...)` freezes the UNet, adds a
+`add_lora(denoiser, rank=..., alpha=..., target_modules=..., dropout=...)` freezes the denoiser, adds a
 peft adapter (only its weights require grad, so the optimizer and the EMA hold only them), and makes
 the model's checkpoints hold only the trainable tensors: the frozen base comes back from the
 pretrained folder, which a LoRA run must load every network from. `save_lora` writes diffusers' LoRA
-file (what `StableDiffusionPipeline.load_lora_weights(dir)` reads, or for an SDXL UNet
-`StableDiffusionXLPipeline.load_lora_weights(dir)`); `merge_lora` folds the adapter into the UNet's
-weights for a full pipeline export.
+file with the family pipeline's own `save_lora_weights` (what its `load_lora_weights(dir)` reads:
+StableDiffusion(XL)Pipeline's for a UNet, StableDiffusion3Pipeline's or FluxPipeline's for a
+transformer); `merge_lora` folds the adapter into the denoiser's weights for a full pipeline export.
 """
 
 from pathlib import Path
 
 import torch
 
-# Attention projections, as diffusers' LoRA training example targets.
-DEFAULT_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
-# Every network comes from the base folder: a LoRA checkpoint stores none of their weights. (An
-# SDXL model loads text_encoder_2 wherever it loads text_encoder: models.build._partners.) UNet
-# presets only: models.build.build_model refuses model.lora for an mmdit preset.
-BASE_COMPONENTS = ("unet", "vae", "text_encoder")
+
+def base_components(preset: str) -> list[str]:
+    """The networks a LoRA run of `preset` must load from its base folder: every one the family always
+    has (the denoiser, the VAE, its text encoders; SD3's optional T5 only when loaded), since a LoRA
+    checkpoint stores none of their weights."""
+    from models.family import of
+    from models.presets import OPTIONAL
+
+    family = of(preset)
+    return [
+        name
+        for name, cls in family.components.items()
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module) and name not in OPTIONAL
+    ]
 
 
-def check_lora_options(lora: dict, pretrained: str | None, pretrained_components) -> dict:
-    """`model.lora` with defaults filled in; errors name the key."""
+def check_lora_options(lora: dict, pretrained: str | None, pretrained_components, preset: str) -> dict:
+    """`model.lora` with defaults filled in (the family's targets: models/family.py `lora_targets`);
+    errors name the key."""
+    from models.family import of
+
     known = {"rank", "alpha", "target_modules", "dropout"}
     if unknown := set(lora) - known:
         raise ValueError(f"model.lora: unknown keys {sorted(unknown)}; choose from {sorted(known)}")
     rank = lora.get("rank", 4)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"model.lora.rank must be a positive integer, got {rank!r}")
-    missing = [c for c in BASE_COMPONENTS if c not in pretrained_components]
+    needed = base_components(preset)
+    loaded = of(preset).partners_of(pretrained_components or ())
+    missing = [c for c in needed if c not in loaded]
     if pretrained is None or missing:
         raise ValueError(
             "model.lora trains an adapter on a pretrained model: set model.pretrained and load "
-            f"{list(BASE_COMPONENTS)} from it (missing: {missing or 'model.pretrained'})"
+            f"{needed} from it (missing: {missing or 'model.pretrained'})"
         )
     return {
         "rank": rank,
         "alpha": float(lora.get("alpha") or rank),
-        "target_modules": list(lora.get("target_modules") or DEFAULT_TARGETS),
+        "target_modules": list(lora.get("target_modules") or of(preset).lora_targets),
         "dropout": float(lora.get("dropout", 0.0)),
     }
 
 
-def add_lora(unet, rank: int, alpha: float, target_modules: list[str], dropout: float) -> None:
-    """Freeze `unet` and add a trainable adapter to it."""
+def add_lora(denoiser, rank: int, alpha: float, target_modules: list[str], dropout: float) -> None:
+    """Freeze `denoiser` and add a trainable adapter to it."""
     from peft import LoraConfig
 
-    unet.requires_grad_(False)
-    unet.add_adapter(
+    denoiser.requires_grad_(False)
+    denoiser.add_adapter(
         LoraConfig(
             r=rank,
             lora_alpha=alpha,
@@ -66,33 +81,37 @@ def drop_frozen_weights(module, state_dict, prefix, local_metadata) -> None:
         del state_dict[key]
 
 
-def lora_state_dict(unet) -> dict[str, torch.Tensor]:
-    """The adapter's weights under diffusers' LoRA names."""
+def lora_state_dict(denoiser) -> dict[str, torch.Tensor]:
+    """The adapter's weights as diffusers' LoRA scripts hand them to `save_lora_weights`: a UNet's
+    under diffusers' LoRA names (convert_state_dict_to_diffusers), a transformer's under peft's."""
     from peft.utils import get_peft_model_state_dict
 
     from compat.diffusers import convert_state_dict_to_diffusers
 
-    return convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    weights = get_peft_model_state_dict(denoiser)
+    return convert_state_dict_to_diffusers(weights) if hasattr(denoiser, "down_blocks") else weights
 
 
-def save_lora(unet, out_dir: str | Path, pipeline_class=None) -> Path:
+def save_lora(denoiser, out_dir: str | Path, pipeline_class=None, name: str = "unet") -> Path:
     """diffusers' LoRA file (pytorch_lora_weights.safetensors, with rank/alpha metadata), written by
-    `pipeline_class.save_lora_weights` (StableDiffusionPipeline by default; StableDiffusionXLPipeline
-    for an SDXL UNet), so that the same class's load_lora_weights reads it."""
+    `pipeline_class.save_lora_weights` (StableDiffusionPipeline by default) under the denoiser's
+    component `name` ("unet" or "transformer"), so that the same class's load_lora_weights reads it."""
     if pipeline_class is None:
         from diffusers import StableDiffusionPipeline as pipeline_class
 
     out_dir = Path(out_dir)
     pipeline_class.save_lora_weights(
         out_dir,
-        unet_lora_layers=lora_state_dict(unet),
-        unet_lora_adapter_metadata=unet.peft_config["default"].to_dict(),
         safe_serialization=True,
+        **{
+            f"{name}_lora_layers": lora_state_dict(denoiser),
+            f"{name}_lora_adapter_metadata": denoiser.peft_config["default"].to_dict(),
+        },
     )
     return out_dir
 
 
-def merge_lora(unet) -> None:
-    """Fold the adapter into the base weights and remove it: a plain UNet again."""
-    unet.fuse_lora()
-    unet.unload_lora()
+def merge_lora(denoiser) -> None:
+    """Fold the adapter into the base weights and remove it: a plain denoiser again."""
+    denoiser.fuse_lora()
+    denoiser.unload_lora()

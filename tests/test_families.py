@@ -263,32 +263,43 @@ def test_the_checkpoint_record_rebuilds_the_model(preset, tmp_path):
 def test_the_exported_pipeline_samples_what_generate_samples(preset, tmp_path):
     """diffusers' own pipeline class, as model_index.json names it, samples from the same seed what
     `generate` samples."""
-    import diffusers
 
     from models.export import export_pipeline
 
     model = _model(preset).eval()
     expected = model.generate(PROMPTS, seed=3, **SAMPLING)
     folder = export_pipeline(model, tmp_path / "out")
-    # As a user loads it: the pipeline's parts the export leaves out (SD3's T5) passed as None, and the
-    # call arguments the README's front matter names (SD3's max_sequence_length; Flux's size and empty
-    # negative prompt, and `guidance_scale_argument`, the argument generate's guidance scale is).
+    images = pipeline_images(load_pipeline(folder), folder, seed=3)
+    assert images.shape == expected.shape == (2, 3, 32, 32)
+    torch.testing.assert_close(images, expected, atol=1e-6, rtol=0)
+
+
+def load_pipeline(folder: Path):
+    """The export at `folder` as a user loads it: diffusers' own class, as model_index.json names it,
+    with the parts the export leaves out (SD3's T5) passed as None."""
+    import diffusers
+
     pipeline_class = getattr(diffusers, json.loads((folder / "model_index.json").read_text())["_class_name"])
     written = {path.name for path in folder.iterdir() if path.is_dir()}
     required = inspect.signature(pipeline_class).parameters.items()
     absent = {k: None for k, p in required if p.default is inspect.Parameter.empty and k not in written}
     pipe = pipeline_class.from_pretrained(folder, local_files_only=True, **absent)
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def pipeline_images(pipe, folder: Path, seed: int) -> torch.Tensor:
+    """PROMPTS sampled by `pipe` with SAMPLING, called with the arguments the README's front matter of
+    the export at `folder` names (SD3's max_sequence_length; Flux's size and empty negative prompt, and
+    `guidance_scale_argument`, the argument generate's guidance scale is)."""
     readme = folder / "README.md"
     text = readme.read_text() if readme.exists() else ""
     front = yaml.safe_load(text[4 : text.index("\n---", 4)]) if text.startswith("---\n") else {}
     options = {k: v for k, v in front.items() if k in inspect.signature(pipe.__call__).parameters}
     sampling = dict(SAMPLING)
     sampling[front.get("guidance_scale_argument", "guidance_scale")] = sampling.pop("guidance_scale")
-    generator = torch.Generator().manual_seed(3)
-    images = pipe(PROMPTS, generator=generator, output_type="pt", **options, **sampling).images
-    assert images.shape == expected.shape == (2, 3, 32, 32)
-    torch.testing.assert_close(images, expected, atol=1e-6, rtol=0)
+    generator = torch.Generator().manual_seed(seed)
+    return pipe(PROMPTS, generator=generator, output_type="pt", **options, **sampling).images
 
 
 # The published checkpoints as diffusers counts their configs: stabilityai/stable-diffusion-2-base,

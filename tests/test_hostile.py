@@ -163,7 +163,11 @@ CASES = [
     ("mmdit ddpm option", {"@": MMDIT, "model.offset_noise": "0.1"}, "model.offset_noise is a DDPM option"),
     ("mmdit weighting", {"@": MMDIT, "model.loss_weighting": "snr"}, "model.loss_weighting='snr'; choose"),
     ("mmdit patch size", {"@": MMDIT, "data.train.resolution": "36"}, "'data.train.resolution' is 36, not a"),
-    ("mmdit lora", {"@": MMDIT, "+model.lora": "{rank: 4}"}, "model.lora trains UNet presets only"),
+    (
+        "mmdit lora without a base",
+        {"@": MMDIT, "+model.lora": "{rank: 4}"},
+        "model.lora trains an adapter on a pretrained model: set model.pretrained",
+    ),
     # Sharding (recipes/parallelism.py), on one process
     ("shard typo", {"@": MMDIT, "parallelism.shard": "nodes"}, "parallelism.shard must be a positive number"),
     ("shard over 2 of 1", {"@": MMDIT, "parallelism.shard": "2"}, "parallelism.shard=2 does not divide the"),

@@ -312,8 +312,8 @@ def test_a_prediction_type_contradicting_the_record_is_an_error(mmdit, tmp_path)
     _, checkpoint, _, _ = mmdit
     with pytest.raises(SystemExit, match="--prediction-type epsilon contradicts the checkpoint"):
         export.main([str(checkpoint), str(tmp_path / "out"), "--prediction-type", "epsilon"])
-    with pytest.raises(ValueError, match="UNet presets only"):
-        build_model("mmdit-tiny", pretrained=str(tmp_path), lora={"rank": 4})
+    with pytest.raises(ValueError, match=r"load \['transformer', 'vae', 'text_encoder', 'text_encoder_2'\]"):
+        build_model("mmdit-tiny", pretrained=str(tmp_path), pretrained_components=["vae"], lora={"rank": 4})
 
 
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
