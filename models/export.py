@@ -220,7 +220,7 @@ def load_model_from_checkpoint(
     return model.eval()
 
 
-def _lora_model(path, record: dict, weights: dict) -> StableDiffusion:
+def _lora_model(path, record: dict, weights: dict):
     """A LoRA checkpoint holds the adapter only: the base comes from the folder the run loaded."""
     from models.build import HUB_ID, build_model
 
@@ -230,13 +230,16 @@ def _lora_model(path, record: dict, weights: dict) -> StableDiffusion:
             f"{path} is a LoRA checkpoint: it holds the adapter only, and its base model {source} "
             "(the run's model.pretrained) is not there"
         )
+    family = families.of(record["preset"])
+    # The objective's options the record keeps (a DDPM's prediction type and zero-terminal SNR; a flow's
+    # timestep options): the sampler the export writes comes from them.
+    options = {k: record[k] for k in families.OBJECTIVE_OPTIONS[family.objective] if k in record}
     model = build_model(
         record["preset"],
         pretrained=source,
         pretrained_components=record["pretrained"]["components"],
-        prediction_type=record["prediction_type"],
-        zero_terminal_snr=record["zero_terminal_snr"],
         lora=record["lora"],
+        **options,
     )
     missing, unexpected = model.load_state_dict(weights, strict=False)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}

@@ -72,3 +72,36 @@ def test_a_base_without_a_network_the_checkpoint_will_not_hold_is_refused():
     assert needed == ["transformer", "vae", "text_encoder", "text_encoder_2"]
     with pytest.raises(ValueError, match=r"load \['transformer', 'vae', 'text_encoder', 'text_encoder_2'\]"):
         build_model("flux-tiny", pretrained=str(Path("base")), pretrained_components=["transformer"], lora={})
+
+
+@pytest.mark.fit
+def test_a_flux_lora_run_exports_with_the_cli_and_its_file_loads_in_flux_pipeline(shapes_mds, tmp_path):
+    """The user's path on a transformer family: yamls/tiny-flux-cpu.yaml with model.lora on a FLUX
+    folder, `models.export --lora` and `--merge-lora` of its checkpoint (the record's flow options
+    rebuild it: a DDPM option given to a flow preset was refused)."""
+    from models import export
+    from models.export import load_model_from_checkpoint
+    from recipes import load_config, train
+    from tests.conftest import REPO
+
+    torch.manual_seed(0)
+    base = export_pipeline(build_model("flux-tiny").eval(), tmp_path / "base")
+    components = [name for name in of("flux-tiny").components if (base / name).is_dir()]
+    overrides = [
+        f"data.train.local={shapes_mds / 'mds'}", "~data.train.prepare", f"model.pretrained={base}",
+        f"model.pretrained_components=[{','.join(components)}]", "+model.lora={rank: 4, alpha: 8}",
+        "optimizer.lr=3e-2", "trainer.max_duration=2ba", f"trainer.save_folder={tmp_path / 'ckpt'}",
+        "callbacks.samples=null", "trainer.progress_bar=false",
+    ]  # fmt: skip
+    train(load_config(REPO / "yamls/tiny-flux-cpu.yaml", overrides))
+    checkpoint = tmp_path / "ckpt" / "latest-rank0.pt"
+    expected = load_model_from_checkpoint(checkpoint).generate(PROMPTS, seed=3, **SAMPLING)
+    export.main([str(checkpoint), str(tmp_path / "lora"), "--lora"])
+    pipe = load_pipeline(base)
+    pipe.load_lora_weights(tmp_path / "lora", weight_name="pytorch_lora_weights.safetensors")
+    torch.testing.assert_close(pipeline_images(pipe, base, seed=3), expected, atol=1e-5, rtol=0)
+    export.main([str(checkpoint), str(tmp_path / "merged"), "--merge-lora"])
+    merged = tmp_path / "merged"
+    torch.testing.assert_close(
+        pipeline_images(load_pipeline(merged), merged, seed=3), expected, atol=1e-4, rtol=0
+    )
