@@ -153,7 +153,9 @@ def run_footprint(run, shard: int) -> Footprint:
         recomputed = model["activation_checkpointing"]
     lora = model["lora"]
     if lora is not None:
-        lora = check_lora_options(lora, model["pretrained"], model["pretrained_components"] or ())
+        lora = check_lora_options(
+            lora, model["pretrained"], model["pretrained_components"] or (), model["preset"]
+        )
     try:
         return footprint(
             model["preset"],
