@@ -382,3 +382,12 @@ def test_throughput_benchmark_writes_what_the_planner_reads(shapes_mds, tmp_path
     )
     (row,) = json.loads(capsys.readouterr().out)
     assert row["days"] == pytest.approx(row["images"] / (8 * record["img_per_sec_per_gpu"]) / 86400)
+
+
+def test_a_lora_recipe_prices_the_adapter_as_what_trains(capsys):
+    """yamls/sd2-lora.yaml: the adapter's weights, gradients and AdamW state are megabytes, the frozen
+    UNet, VAE and text encoder gigabytes (the planner checks model.lora with the preset's family)."""
+    args = ["--gpus", "8", "--json", "--img-per-sec-per-gpu", "10", "model.pretrained=/base"]
+    main([str(REPO / "yamls/sd2-lora.yaml"), *args])  # its global batch 16: 8 GPUs at most
+    memory = json.loads(capsys.readouterr().out)[0]["memory"][0]
+    assert memory["optimizer"] < 0.1 and memory["weights"] < 0.05 and memory["frozen"] > 4
