@@ -190,42 +190,6 @@ def shape_memory(run, gpus: int, shard: int, microbatch, shard_weights: bool = T
     }
 
 
-def plan_memory(
-    run, rows: list[dict], shards, gpu_memory: float, gpus_per_node: int
-) -> tuple[list[str], bool]:
-    """Add `memory` to each row of recipes.plan (one entry per shape: `shards` that divide its GPU
-    count, or the run's own shape; `fits`: its total within `gpu_memory` GB). Return a line for each
-    count with a shape that does not fit, and whether some count has no shape that fits."""
-    notes, failed = [], False
-    for row in rows:
-        row["memory"] = []
-        if "error" in row:  # no such run
-            continue
-        gpus, microbatch = row["gpus"], row["microbatch"]
-        if shards:
-            listed = [(s, True) for s in shards if gpus % s == 0]
-        else:
-            listed = [run_shard(run, gpus, gpus_per_node)]
-        for shard, shard_weights in listed:
-            entry = shape_memory(run, gpus, shard, microbatch, shard_weights)
-            row["memory"].append({**entry, "fits": entry["total"] <= gpu_memory})
-        fitting = [m["shard"] for m in row["memory"] if m["fits"]]
-        failed = failed or not fitting
-        over = [m for m in row["memory"] if not m["fits"]]
-        if not row["memory"]:
-            notes.append(f"at {gpus} GPUs: no shard of {shards} divides {gpus}")
-        elif over:
-            needs = ", ".join(f"shard {m['shard']} needs {gb(m['total'])} GB" for m in over)
-            line = f"at {gpus} GPUs: does not fit in {gpu_memory:g} GB per GPU (--gpu-memory): {needs}; "
-            if fitting:
-                notes.append(line + f"the smallest listed shard that fits is {min(fitting)}")
-            else:
-                from recipes.memory_advice import suggest  # it reads this module's arithmetic
-
-                notes.append(line + suggest(run, row, gpu_memory, gpus_per_node))
-    return notes, failed
-
-
 def gb(value: float) -> str:
     """GB to 0.1, or to two figures below 0.05 (a tiny model's)."""
     return f"{value:.1f}" if value >= 0.05 else f"{value:.2g}"

@@ -48,7 +48,8 @@ from omegaconf import OmegaConf
 from recipes.compose import load_config
 from recipes.config import ConfigError, parse_config
 from recipes.convergence import benchmark_of, converging_rows, describe, no_benchmark
-from recipes.memory import format_memory, plan_memory
+from recipes.memory import format_memory
+from recipes.memory_advice import plan_memory
 from recipes.plan_args import build_parser, parse_args  # noqa: F401 - build_parser: tests, --help
 from recipes.plan_plot import write_plot
 from recipes.scaling import plan_batches

@@ -157,7 +157,9 @@ def test_a_missing_or_torn_load_path_is_one_line(tmp_path):
     torn = tmp_path / "torn.pt"
     torn.write_bytes(checkpoint(torn, 1)[:100])
     assert load_path_problem(str(torn), Tiny(4), "tiny").startswith(f"trainer.load_path: {torn} is truncated")
-    assert load_path_problem(str(tmp_path), Tiny(4), "tiny") is None  # a sharded checkpoint: Composer's
+    assert load_path_problem(str(tmp_path), Tiny(4), "tiny").startswith(  # no checkpoint of any kind
+        f"trainer.load_path: {tmp_path} is a folder but neither a sharded checkpoint"
+    )
 
 
 def test_the_last_good_state_a_nan_stop_saved_is_resumed_from(tmp_path):
