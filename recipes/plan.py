@@ -60,7 +60,7 @@ __all__ = ["Throughput", "main", "plan_rows", "rate_note", "read_throughput", "w
 log = logging.getLogger(__name__)
 
 ROW_KEYS = ["gpus", "per_device_batch", "microbatch", "grad_accum", "images", "days", "gpu_hours", "cost"]
-ROW_KEYS += ["memory"]  # one dict per sharding shape: recipes/memory.py plan_memory, called by main
+ROW_KEYS += ["memory"]  # one dict per sharding shape: recipes/memory_advice.py plan_memory, called by main
 
 
 def images_to_see(max_duration, global_batch_size: int) -> int:
