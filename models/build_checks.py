@@ -69,7 +69,7 @@ def checked(
         )
     if pretrained_components is None:
         pretrained_components = (denoiser_name(preset), "vae", "text_encoder", "tokenizer")
-    _check_switches(preset, pretrained_components, attention, lora, fsdp_wrap, activation_checkpointing)
+    _check_switches(preset, pretrained_components, attention, fsdp_wrap, activation_checkpointing)
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"model.param_dtype={param_dtype!r}; choose one of {list(PARAM_DTYPES)}")
     if fp8_recipe(fp8) is not None and families.of(preset).denoiser != "transformer":
@@ -122,9 +122,7 @@ def _check_t5_tokenizer(preset, pretrained, pretrained_components) -> None:
         )
 
 
-def _check_switches(
-    preset, pretrained_components, attention, lora, fsdp_wrap, activation_checkpointing
-) -> None:
+def _check_switches(preset, pretrained_components, attention, fsdp_wrap, activation_checkpointing) -> None:
     """Errors naming the option for components and switches this preset's family does not have."""
     family = families.of(preset)
     unknown = set(pretrained_components) - set(family.components)
