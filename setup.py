@@ -7,7 +7,7 @@ ones so `pip install -e .` elsewhere pulls a working set without the test tools.
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 requirements = [
     line.split("#")[0].strip()
@@ -20,7 +20,23 @@ setup(
     version="0.1.0",
     description="Train Stable Diffusion with Composer and mosaicml-streaming, from 1 to 256 GPUs",
     python_requires=">=3.11,<3.12",
-    packages=["common", "compat", "convert", "data", "demo", "evaluation", "extensions", "models", "recipes"],
+    # The top-level packages and every folder under them (models/engine, models/families/flux, ...).
+    packages=find_packages(
+        include=[
+            f"{top}*"
+            for top in (
+                "common",
+                "compat",
+                "convert",
+                "data",
+                "demo",
+                "evaluation",
+                "extensions",
+                "models",
+                "recipes",
+            )
+        ]
+    ),
     py_modules=["train"],
     install_requires=requirements,
     extras_require={"laion": ["img2dataset==1.47.0"]},

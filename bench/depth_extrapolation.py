@@ -51,8 +51,8 @@ WARMUP = 3  # steps before the timed ones: cuDNN/cuBLAS autotuning and the alloc
 def reduced_denoiser(preset: str, depth: dict, device):
     """`preset`'s denoiser with its config's depth keys (`depth`: e.g. {num_layers: 1}) replaced,
     built directly on `device` (a meta one costs nothing; a CUDA one skips the CPU's random init)."""
-    from models.family import of
-    from models.presets import PRESETS, construct
+    from models.engine.family import construct
+    from models.registry import PRESETS, of
 
     family = of(preset)
     config = PRESETS[preset][family.denoiser]
@@ -65,8 +65,8 @@ def reduced_denoiser(preset: str, depth: dict, device):
 def reduced_model(preset: str, depth: dict, device):
     """The preset's model (its family's class) with the reduced-depth denoiser on `device`, its frozen
     networks on the meta device (never run: encodings are precomputed and the empty caption stored)."""
-    from models.family import build_components, of, preset_options
-    from models.presets import PRESETS
+    from models.components import build_components
+    from models.registry import PRESETS, of, preset_options
     from models.stored_form import stored_shapes
 
     family = of(preset)
@@ -89,7 +89,8 @@ def reduced_model(preset: str, depth: dict, device):
 
 def random_batch(preset: str, resolution: int, batch: int, device) -> dict:
     """Precomputed-encodings batch of `preset`'s shapes: VAE moments and the stored form of captions."""
-    from models.presets import PRESETS, vae_factor
+    from models.presets import vae_factor
+    from models.registry import PRESETS
     from models.stored_form import stored_shapes
 
     side, channels = resolution // vae_factor(preset), PRESETS[preset]["vae"]["latent_channels"]
@@ -156,9 +157,8 @@ def extrapolate(depths: list[dict], values: list[float], full: dict) -> tuple[fl
 def measure(preset, resolution, batch, depths, steps, warmup=WARMUP, device="cuda") -> dict:
     """Time each depth, fit, and extrapolate to the preset's own depth: the result record (also what
     recipes.plan reads: `img_per_sec_per_gpu`)."""
-    from models.family import of
     from models.flops import mfu, training_flops_per_image
-    from models.presets import PRESETS
+    from models.registry import PRESETS, of
 
     config = PRESETS[preset][of(preset).denoiser]
     keys = sorted({k for depth in depths for k in depth})

@@ -98,15 +98,15 @@ WHEELS = [
     "hydra-core==1.3.8",
     "omegaconf==2.3.1",
     "antlr4-python3-runtime==4.9.3",  # SDIST_ONLY
-    # Our own imports beyond the above: peft (models/lora.py; composer imports it when installed, and
+    # Our own imports beyond the above: peft (models/training/lora.py; composer imports it when installed, and
     # the device's peft, of an unrecorded version, is built for its transformers 5), open_clip_torch
-    # (models/tokenizer.py reads its packaged CLIP BPE vocabulary; evaluation/extractors.py imports it)
+    # (models/engine/tokenizer.py reads its packaged CLIP BPE vocabulary; evaluation/extractors.py imports it)
     # and ftfy, which `import open_clip` needs.
     "peft==0.21.2",
     "open_clip_torch==3.3.0",
     "ftfy==6.3.1",
-    # model.fp8 (models/fp8.py, torchao.float8); transformers and diffusers import torchao whenever it
-    # is installed, so carrying it also keeps the device's import path the CPU's.
+    # model.fp8 (models/training/fp8.py, torchao.float8); transformers and diffusers import torchao whenever
+    # it is installed, so carrying it also keeps the device's import path the CPU's.
     "torchao==0.18.0",
 ]
 SDIST_ONLY = {"antlr4-python3-runtime"}  # no wheel on the registry: `pip wheel` here, pure python

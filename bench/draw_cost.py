@@ -1,6 +1,6 @@
-"""What `model.train_draws: sample` (models/draw_keys.py) costs against the default `rank` draws, per
+"""What `model.train_draws: sample` (models/engine/draw_keys.py) costs against the default `rank` draws, per
 microbatch, for a preset's latents: the latent sample, caption dropout and the objective's draws, made
-as models/latent_diffusion.py makes them in training, and nothing else (no network).
+as models/engine/latent_diffusion.py makes them in training, and nothing else (no network).
 
     .venv/bin/python bench/draw_cost.py --preset sd2-base --resolution 256 --batch 32 [--device cuda]
 
@@ -18,15 +18,14 @@ import torch
 from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
 from compat.diffusers import DiagonalGaussianDistribution
-from models.draw_keys import draw_seeds
-from models.family import of
+from models.engine.draw_keys import draw_seeds
+from models.engine.objectives import DDPM, RectifiedFlow
 from models.flops import latent_size
-from models.objectives import DDPM, RectifiedFlow
-from models.presets import PRESETS
+from models.registry import PRESETS, of
 
 
 def objective_of(preset: str):
-    """The family's kind of objective (models/family.py `objective`), with its usual scheduler."""
+    """The family's kind of objective (models/registry.py `objective`), with its usual scheduler."""
     if of(preset).objective == "ddpm":
         return DDPM(DDPMScheduler(num_train_timesteps=1000))
     return RectifiedFlow(FlowMatchEulerDiscreteScheduler(shift=3.0))

@@ -96,8 +96,8 @@ class _LiveBytes:
 def _build(model_name: str):
     import torch
 
-    from models.family import build_components
-    from models.presets import PRESETS
+    from models.components import build_components
+    from models.registry import PRESETS
 
     if model_name == "tiny":  # the whole tiny StableDiffusion: frozen VAE and text encoder included
         from models import build_model

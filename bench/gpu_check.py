@@ -120,7 +120,7 @@ VARIANTS = {  # name -> overrides on top of the recipe; the first is the baselin
     FULL_2: [COMPILED_STEP, "TWO_MICROBATCHES"],
     "FSDP per block": [EAGER, FSDP],  # what sharding costs a model that fits (the recipe's reason for DDP)
     "2x microbatch": [EAGER, "MICROBATCH_X2"],
-    # Training draws keyed per sample (models/draw_keys.py: CPU generators, the host's time), what the
+    # Training draws keyed per sample (models/engine/draw_keys.py: CPU generators, the host's time), what the
     # sharded recipes use: whether sd2-base's compiled step can take them too (docs/benchmarks.md).
     PER_SAMPLE: [COMPILED_STEP, "+model.train_draws=sample"],
 }

@@ -181,7 +181,7 @@ def part_ema() -> tuple[list[str], dict[str, float]]:
     import torch
 
     from extensions.ema import EMA
-    from models.family import build_components
+    from models.components import build_components
 
     unet = build_components("sd2-base")["unet"].cuda()
     averages, ms = {}, {}

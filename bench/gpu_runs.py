@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 BASE = "eager step (_step=eager; sdpa, DDP / no wrapper on 1 GPU)"
 FULL = "compile + CUDA graphs + bf16 weights + channels_last"  # the recipe's step (yamls/_step/compiled.yaml)
 FULL_2 = f"{FULL}, 2 microbatches"  # with gradient accumulation: graphs replayed twice a batch
-PER_SAMPLE = f"{FULL}, per-sample draws"  # model.train_draws=sample (models/draw_keys.py)
+PER_SAMPLE = f"{FULL}, per-sample draws"  # model.train_draws=sample (models/engine/draw_keys.py)
 PLAIN = "plain PyTorch loop, 1 GPU (the ceiling)"
 BEST = "run 1's best"  # at 512 px: the fastest 256 px variant of run 1 (or of this run)
 E2E_CHECK = "e2e: train, save, resume (--deterministic), export, generate"

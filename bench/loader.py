@@ -12,7 +12,7 @@ Variants (interleaved so background load hits all alike; best of --repeats):
   plain     a plain one-thread loop over the same in-memory bytes and captions doing the usual steps
             with the usual libraries: decode, convert RGB, torchvision Resize(R), CenterCrop(R), ToTensor,
             Normalize, flip every other image, and the slow transformers CLIPTokenizer
-            (models.tokenizer.build_tokenizer) called per caption, padded to 77
+            (models.engine.tokenizer.build_tokenizer) called per caption, padded to 77
   ours-Nw   a torch DataLoader with N workers (batch --batch-size) over
             data.image_caption.ImageCaptionDataset on the MDS set, hflip on: shard read, decode,
             crop/resize, flip, tokenize, collate, and the hand-over to the main process, as training
@@ -21,7 +21,7 @@ Variants (interleaved so background load hits all alike; best of --repeats):
             Fresh workers and tokenizers every repeat, so no caption is ever tokenized twice by one
             process (on a real set the dataset's token cache never hits; here it would).
 The dataset hands over uint8 images; their conversion to [-1, 1] floats is the model's, on the
-accelerator (models.pixels.to_float), and is not counted here.
+accelerator (models.engine.pixels.to_float), and is not counted here.
 Prints a markdown table and the ratios the issue asks for, per image size:
   per worker  ours-1w / plain >= 2 and ours-2w / (2 x plain) >= 2
   scaling     ours-2w / ours-1w >= 1.7
@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from torchvision import transforms  # noqa: E402
 
 from data.image_caption import ImageCaptionDataset  # noqa: E402
-from models.tokenizer import build_tokenizer, tokenize  # noqa: E402
+from models.engine.tokenizer import build_tokenizer, tokenize  # noqa: E402
 
 WORDS = (
     "a the of and with in on for to by from at photo image picture poster print canvas art painting "

@@ -121,7 +121,7 @@ def unloadable(folder: Path) -> list[str]:
 
 def newest_complete(folder: Path) -> int:
     """The batch of the newest complete sharded checkpoint in `folder` (0 if none)."""
-    from models.sharded_checkpoint import ShardedCheckpointError, check_complete
+    from models.checkpoints.sharded_checkpoint import ShardedCheckpointError, check_complete
 
     batches = [0]
     for path in folder.glob("ep*-ba*"):

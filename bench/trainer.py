@@ -83,7 +83,7 @@ def time_plain(batch: int, steps: int, warmup: int) -> float:
 
 
 def time_composer(batch: int, steps: int, warmup: int, recipe: bool) -> float:
-    from models.record import ModelRecord, describe
+    from models.checkpoints.record import ModelRecord, describe
 
     run, model, optimizer, batches = _setup(batch, steps)
     timer = StepTimes()

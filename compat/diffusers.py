@@ -5,12 +5,12 @@ may move between releases:
 - `models.attention_processor`: AttnProcessor (models/build.py selects plain attention; the
   default is AttnProcessor2_0, checked by tests) and Attention (tests/test_flops.py counts its FLOPs).
 - `models.autoencoders.vae.DiagonalGaussianDistribution`: samples latents from the VAE's moments
-  (models/stable_diffusion.py), as the VAE itself does.
+  (models/families/sd/model.py), as the VAE itself does.
 - `pipelines.stable_diffusion.pipeline_stable_diffusion.rescale_noise_cfg`: guidance rescale as
-  diffusers' pipelines apply it, for models/stable_diffusion.py's sampler.
-- `models.resnet.ResnetBlock2D`: a UNet block FSDP wraps as a unit (models/sharding.py, with the
+  diffusers' pipelines apply it, for models/families/sd/model.py's sampler.
+- `models.resnet.ResnetBlock2D`: a UNet block FSDP wraps as a unit (models/training/sharding.py, with the
   public `diffusers.Transformer2DModel`).
-- `utils.convert_state_dict_to_diffusers`: PEFT LoRA weights in diffusers' naming (models/lora.py).
+- `utils.convert_state_dict_to_diffusers`: PEFT LoRA weights in diffusers' naming (models/training/lora.py).
 """
 
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0

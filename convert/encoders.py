@@ -13,17 +13,18 @@ from pathlib import Path
 
 import torch
 
-import models.family as families
+import models.registry as families
 from convert.common import ConvertError
-from models.latent_diffusion import LatentDiffusion
-from models.presets import PRESETS, bundled_t5
+from models.engine.latent_diffusion import LatentDiffusion
+from models.presets import bundled_t5
+from models.registry import PRESETS
 
 log = logging.getLogger(__name__)
 
 
 class Encoders:
     """The frozen VAE and a family's text encoders and tokenizers (its conditioner's `text_parts`, and an
-    optional T5) without the denoiser. The family's conditioner (models/conditioners.py) encodes with
+    optional T5) without the denoiser. The family's conditioner (models/engine/conditioners.py) encodes with
     them, as the model does, and `vae_moments` is the model's own call, so precomputed latents stay what
     training on the images would compute."""
 
@@ -78,7 +79,7 @@ def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) 
     process of a run (and every run) encodes with the same ones. With `t5`, an mmdit preset's T5
     from `pretrained` too (a `bundled_t5` preset's own random one without `pretrained`)."""
     from models.build import build_encoders
-    from models.family import load_component
+    from models.components import load_component
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

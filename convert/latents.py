@@ -3,11 +3,11 @@
 Writes, per sample, `latents_{R}` for each resolution R (the VAE posterior's mean and logvar,
 unscaled, fp16: the model samples and scales them) and `text_embeds` (fp16), plus caption and key.
 Training on these skips the VAE and text encoder, about 1.4x faster for SD2 (mosaicml/diffusion).
-An SDXL preset (models/sdxl.py) writes what its UNet reads besides, as training on the
+An SDXL preset (models/families/sdxl/model.py) writes what its UNet reads besides, as training on the
 images computes it (data/image_caption.py): `text_embeds` (77, 2048) from both
 encoders, `pooled_text_embeds` (1280,) fp16, `original_size` (height, width) and per resolution
 `crop_top_left_{R}` (top, left) int64 (data/latent_dataset.py reads them back). An mmdit preset
-(models/mmdit.py) writes what RectifiedFlowTransformer reads instead of token ids, through its
+(models/families/mmdit/model.py) writes what RectifiedFlowTransformer reads instead of token ids, through its
 own `encode_clip` and `encode_t5`: `text_embeds` (77, 768 + 1280 for sd3-medium), both CLIPs' context
 unpadded, `pooled_text_embeds` (2048,) both pooled vectors, and, when the `--pretrained` folder has a
 T5 (`text_encoder_3/` and `tokenizer_3/`), `text_embeds_3` (t5_tokens, 4096) fp16; its `latents_{R}`
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-import models.family as families
+import models.registry as families
 from convert import empty_caption
 from convert.common import Part, Skipped
 from convert.encoders import (
@@ -57,8 +57,9 @@ from data.buckets import bucket_crop, bucket_ratio, bucket_size, cover_crop
 from data.image_caption import original_size
 from data.latent_dataset import EVAL_TIMESTEP, crop_column, latents_column
 from data.transforms import Crop
-from models.pixels import to_float
-from models.presets import PRESETS, bundled_t5, size_multiple
+from models.engine.pixels import to_float
+from models.presets import bundled_t5, size_multiple
+from models.registry import PRESETS
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def _prepare(row: dict, sizes: dict[int, tuple[int, int]]) -> dict[int, Crop] | 
 
 
 def _text_columns(model, captions: list[str], device) -> dict[str, np.ndarray]:
-    """The text encoders' outputs as stored: the family conditioner's `encode` (models/conditioners.py)
+    """The text encoders' outputs as stored: the family conditioner's `encode` (models/engine/conditioners.py)
     of the captions' token ids, the model's own call."""
     conditioner = model.conditioner
     ids = {name: value.to(device) for name, value in conditioner.ids(model, captions).items()}
@@ -229,7 +230,7 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def default_precision(preset: str) -> str:
-    """The family's (models/family.py `encoder_precision`): bf16 for the flux presets."""
+    """The family's (models/registry.py `encoder_precision`): bf16 for the flux presets."""
     return families.of(preset).encoder_precision if preset in PRESETS else "fp32"
 
 

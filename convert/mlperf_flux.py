@@ -14,7 +14,7 @@ fixed timestep index, t = i / 8, null in the training set); and a folder with `t
 What it writes: per row `key`, `caption` ("": the reference keeps no captions), `latents_{R}` (mean and
 log-variance on channels, as data/latent_dataset.py reads them), `text_embeds` and
 `pooled_text_embeds`, and for the validation set `eval_timestep`, which validation then uses instead of
-its own content-hashed one (models/eval_timesteps.py). The empty caption goes beside index.json as the
+its own content-hashed one (models/engine/eval_timesteps.py). The empty caption goes beside index.json as the
 `latents` source writes it (convert/empty_caption.py). bf16 -> fp16 is exact for every value of
 magnitude 2^-14 .. 65504 (fp16 keeps 10 mantissa bits to bf16's 7; below 2^-14 fp16 is subnormal and
 keeps fewer); a row holding a value beyond fp16's range or a non-finite one is skipped
@@ -38,7 +38,8 @@ import torch
 
 from convert.common import ConvertError, Part, Skipped, readable_folder
 from data.latent_dataset import EMPTY_CAPTION, EVAL_TIMESTEP, latents_column
-from models.presets import PRESETS, vae_factor
+from models.presets import vae_factor
+from models.registry import PRESETS
 
 TIMESTEP_COLUMN = EVAL_TIMESTEP  # read back by data/latent_dataset.py
 REFERENCE_COLUMNS = ("__key__", "t5_encodings", "clip_encodings", "mean", "logvar")

@@ -19,7 +19,7 @@ What it writes: the usual image columns (convert/common.py BASE_COLUMNS) with ea
 the reference made them: a 256x256 PNG needs no resize, so the pipeline keeps the bytes untouched
 (convert/images.py), unless --resize-max or --center-crop ask otherwise. The COCO set adds
 `eval_timestep` (int32), which `sd-convert latents` carries into the latent set and validation then
-uses instead of its content-hashed timestep (models/eval_timesteps.py), on the image path too. A
+uses instead of its content-hashed timestep (models/engine/eval_timesteps.py), on the image path too. A
 COCO sample whose json holds no timestep in 0..7 is skipped (`bad_timestep`), never given another.
 
 One input per Arrow file or tar, on convert.pipeline like every source (markers, restarts, --workers, S3).
@@ -32,7 +32,7 @@ from convert import img2dataset_src
 from convert.common import BASE_COLUMNS, ConvertError, Part, Skipped, readable_folder
 from convert.mlperf_flux import REFERENCE_COLUMNS, batches, row_count
 from data.latent_dataset import EVAL_TIMESTEP
-from models.eval_timesteps import STORED_LEVELS
+from models.engine.eval_timesteps import STORED_LEVELS
 
 TRAIN_COLUMNS = ("__key__", "txt", "png")
 PREPROCESSED_HINT = (

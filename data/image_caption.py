@@ -1,12 +1,12 @@
 """Streaming image-caption dataset: MDS rows with `image` and `caption` -> training batches.
 
 Each sample becomes `image` (3, R, R) uint8 (resize shorter side, center crop, optional horizontal
-flip; the model makes [-1, 1] floats of it on the device, models/pixels.py; with aspect-ratio buckets
+flip; the model makes [-1, 1] floats of it on the device, models/engine/pixels.py; with aspect-ratio buckets
 (3, H, W) floats in [-1, 1], its bucket's size: data/buckets.py) and
 `input_ids` (77,) CLIP tokens. Caption dropout is the model's job (`model.caption_drop_prob`), so it
 works the same on precomputed latents. The DataLoader and the config keys: data/loader.py.
 
-SDXL (models/sdxl.py) reads more: `input_ids_2` (77,) from its second tokenizer, and with
+SDXL (models/families/sdxl/model.py) reads more: `input_ids_2` (77,) from its second tokenizer, and with
 `micro_conditioning` the two sizes it is conditioned on besides the target size, so that it learns
 what a small upscaled image and a cropped one look like instead of drawing them unasked (SDXL paper,
 section 2.2): `original_size` (height, width) of the image before the converter resized it (its
@@ -14,8 +14,8 @@ section 2.2): `original_size` (height, width) of the image before the converter 
 (top, left) of the training crop in the resized image, as LongTensors (2,). Without the flags a
 sample holds `image` and `input_ids` only (what SD1/SD2 read).
 
-An mmdit model with T5 (models/mmdit.py: `text_encoder_3`) reads `input_ids_3` too: T5's ids of the
-caption, `t5_tokens` long (`tokenizer_3`), as StableDiffusion3Pipeline tokenizes with
+An mmdit model with T5 (models/families/mmdit/model.py: `text_encoder_3`) reads `input_ids_3` too: T5's ids of
+the caption, `t5_tokens` long (`tokenizer_3`), as StableDiffusion3Pipeline tokenizes with
 max_sequence_length=t5_tokens.
 """
 
@@ -29,10 +29,10 @@ from torchvision.transforms import functional as F
 
 from data.streaming_base import StreamingBase
 from data.transforms import Crop, SquareTransform, crop_top_left, square_crop
-from models.draw_keys import SAMPLE_INDEX
-from models.eval_timesteps import STORED as EVAL_TIMESTEP
-from models.pixels import to_float
-from models.tokenizer import tokenize, tokenize_t5
+from models.engine.draw_keys import SAMPLE_INDEX
+from models.engine.eval_timesteps import STORED as EVAL_TIMESTEP
+from models.engine.pixels import to_float
+from models.engine.tokenizer import tokenize, tokenize_t5
 
 TOKEN_CACHE_SIZE = 4096  # 4096 x 77 int64 = 2.5 MB per dataset
 
@@ -150,7 +150,7 @@ class ImageCaptionDataset(StreamingBase):
             out["crop_top_left"] = torch.tensor(crop.top_left)
         if EVAL_TIMESTEP in sample:  # a set with its own fixed validation timesteps (MLPerf's COCO)
             out[EVAL_TIMESTEP] = int(sample[EVAL_TIMESTEP])
-        out[SAMPLE_INDEX] = int(index)  # training draws keyed per sample (models/draw_keys.py)
+        out[SAMPLE_INDEX] = int(index)  # training draws keyed per sample (models/engine/draw_keys.py)
         return out
 
 

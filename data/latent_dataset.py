@@ -4,12 +4,12 @@ Rows hold `latents_{R}` (the VAE posterior's mean and logvar at resolution R, un
 `text_embeds` (77, D) fp16. The model samples from the moments and applies the latent scale itself,
 so training on these is the same computation as training on the images.
 
-An SDXL preset's rows also hold what its UNet reads besides (models/sdxl.py): `pooled_text_embeds`
-(1280,) fp16, the second text encoder's projected pooled output, and the micro-conditioning sizes,
-`original_size` (height, width) and per resolution `crop_top_left_{R}` (top, left) int64, which a
-sample carries as `crop_top_left`. An mmdit preset's rows (models/mmdit.py) hold `text_embeds`
-(77, 768 + 1280 for sd3-medium: both CLIPs' context, unpadded), `pooled_text_embeds` (2048,) and,
-when converted with a T5, `text_embeds_3` (t5_tokens, 4096), all fp16. A set without a column (an SD
+An SDXL preset's rows also hold what its UNet reads besides (models/families/sdxl/model.py):
+`pooled_text_embeds` (1280,) fp16, the second text encoder's projected pooled output, and the
+micro-conditioning sizes, `original_size` (height, width) and per resolution `crop_top_left_{R}` (top, left)
+int64, which a sample carries as `crop_top_left`. An mmdit preset's rows (models/families/mmdit/model.py) hold
+`text_embeds` (77, 768 + 1280 for sd3-medium: both CLIPs' context, unpadded), `pooled_text_embeds` (2048,)
+and, when converted with a T5, `text_embeds_3` (t5_tokens, 4096), all fp16. A set without a column (an SD
 preset's) gives samples without its key.
 
 Beside the shards, `sd-convert latents` writes the empty caption's stored form once per set
@@ -31,13 +31,13 @@ import torch
 
 from data.streaming_base import StreamingBase
 from data.streams import _configured, read_index
-from models.draw_keys import SAMPLE_INDEX
-from models.eval_timesteps import STORED as EVAL_TIMESTEP  # noqa: F401 - read here, and by convert/
+from models.engine.draw_keys import SAMPLE_INDEX
+from models.engine.eval_timesteps import STORED as EVAL_TIMESTEP  # noqa: F401 - read here, and by convert/
 
 log = logging.getLogger(__name__)
 
 EMPTY_CAPTION = "empty_caption.safetensors"
-# The stored form's columns (models/conditioners.py), which the empty caption's file holds too.
+# The stored form's columns (models/engine/conditioners.py), which the empty caption's file holds too.
 TEXT_COLUMNS = ("text_embeds", "pooled_text_embeds", "text_embeds_3")
 
 
@@ -77,7 +77,7 @@ class LatentsDataset(StreamingBase):
             out["crop_top_left"] = torch.tensor(sample[self.crop_column], dtype=torch.int64)
         if EVAL_TIMESTEP in sample:  # a set with its own fixed validation timesteps (MLPerf's COCO)
             out[EVAL_TIMESTEP] = int(sample[EVAL_TIMESTEP])
-        out[SAMPLE_INDEX] = int(index)  # training draws keyed per sample (models/draw_keys.py)
+        out[SAMPLE_INDEX] = int(index)  # training draws keyed per sample (models/engine/draw_keys.py)
         return out
 
 

@@ -15,7 +15,7 @@ from data.buckets import bucket_ratio, bucket_size, check_size
 from data.image_caption import ImageCaptionDataset
 from data.latent_dataset import LatentsDataset
 from data.streams import check_settings, resolve_streams, streaming_settings
-from models.draw_keys import SAMPLE_INDEX
+from models.engine.draw_keys import SAMPLE_INDEX
 
 
 @dataclass
@@ -134,7 +134,7 @@ def build_image_caption_dataloader(
 
 
 def collate(samples: list[dict]) -> dict:
-    """torch's default collate, but each sample's index in its dataset (models/draw_keys.py) stays a
+    """torch's default collate, but each sample's index in its dataset (models/engine/draw_keys.py) stays a
     list of ints: Composer moves a batch's tensors to the GPU, and reading the indices back from there
     would wait for the GPU every step."""
     indices = [sample.pop(SAMPLE_INDEX) for sample in samples] if SAMPLE_INDEX in samples[0] else None

@@ -23,7 +23,7 @@ Training and `convert latents` both pass the stored bytes, so precomputed latent
 data/image_caption.py).
 
 The data loader hands over uint8 (a quarter of the bytes to collate, pass between processes and copy
-to the device); `models.pixels.to_float` makes [-1, 1] floats of them on the device with the
+to the device); `models.engine.pixels.to_float` makes [-1, 1] floats of them on the device with the
 arithmetic of torchvision's ToTensor + Normalize(0.5, 0.5), so uint8 and float pixels give the model
 bit-identical inputs. Timings: bench/loader.py, docs/benchmarks.md.
 """
@@ -38,7 +38,7 @@ from torch.nn import functional as F
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from data.headers import sniff
-from models.pixels import to_float
+from models.engine.pixels import to_float
 
 JPEG_MODES = ("RGB", "L")  # what decode_jpeg and PIL turn into the same RGB; CMYK and others go through PIL
 DRAFT_SCALES = (8, 4, 2)  # libjpeg's DCT scaling: decode at 1/8, 1/4 or 1/2 of the size

@@ -61,7 +61,7 @@ def evaluate(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from models.checkpoint_file import one_line_errors
+    from models.checkpoints.checkpoint_file import one_line_errors
     from models.generate import load_model
 
     prog = "python -m demo.judge"

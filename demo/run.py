@@ -45,6 +45,7 @@ from demo.judge import evaluate, judge
 from evaluation import evaluate as image_metrics
 from extensions.ema import ema_weights
 from models import build
+from models.registry import FAMILIES
 from recipes import load_config, parse_config, train
 
 YAMLS = Path(__file__).resolve().parents[1] / "yamls"
@@ -91,8 +92,10 @@ QUICK = {
     "metrics": ["--num-captions", "24", "--guidance", "1", "4", "--steps", "10"],
     "gates": {"color": 0.75, "shape": 0.6},  # 12 images of 3 prompts: well above chance (1/3)
 }
-# The diffusion stage's recipe per --preset (all on the same VAE, judged the same way).
-RECIPES = {"tiny": "tiny-cpu.yaml", "mmdit-tiny": "tiny-mmdit-cpu.yaml", "flux-tiny": "tiny-flux-cpu.yaml"}
+# The diffusion stage's recipe per --preset: each registered family's tiny recipe (models/registry.py),
+# for the families whose --quick settings the demo has measured (QUICK's diffusion), all on the same
+# VAE, judged the same way.
+RECIPES = {f.tiny: f"{f.tiny_recipe}.yaml" for f in FAMILIES.values() if f.tiny in QUICK["diffusion"]}
 # Colour and shape accuracy the samples of every prompt must reach for the demo to pass (the UNet
 # demo's run of 2026-11-23: 100% and 95.8%; chance is 25% and 33%).
 GATES = {"color": 0.9, "shape": 0.9}

@@ -9,9 +9,9 @@ from pathlib import Path
 from evaluation import extractors
 from evaluation.image_metrics import MIN_IMAGES, too_few
 from models.cli_checks import UsageError, check_count, check_guidance, check_guidance_rescale
+from models.engine.objectives import SAMPLERS
 from models.export import add_weight_args
 from models.generate import check_source
-from models.stable_diffusion import SAMPLERS
 
 # sampler None: the model family's (models.generate.sampler_for); resolution None: the model's size.
 DEFAULTS = dict(n=30_000, guidance=[8.0], steps=50, sampler=None, resolution=None, seed=2023)

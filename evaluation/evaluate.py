@@ -49,10 +49,10 @@ from compat.composer import torch_device as compat_torch_device
 from evaluation import arguments, extractors
 from evaluation.arguments import check_inputs, data_location
 from evaluation.image_metrics import scores, too_few, write_report
-from models.checkpoint_file import one_line_errors
+from models.checkpoints.checkpoint_file import one_line_errors
+from models.checkpoints.sharded_checkpoint import METADATA, is_sharded_checkpoint
 from models.cli_checks import UsageError, check_sampling_args
 from models.generate import SamplerError, load_model, sampler_for
-from models.sharded_checkpoint import METADATA, is_sharded_checkpoint
 
 log = logging.getLogger("evaluation.evaluate")  # not "__main__" under python -m
 

@@ -21,7 +21,7 @@ from composer.utils import (
 
 from common.atomic import atomic_path
 from compat.composer import take_loaded_rng_state
-from models.sharded_checkpoint import ShardedCheckpointError, check_complete
+from models.checkpoints.sharded_checkpoint import ShardedCheckpointError, check_complete
 
 log = logging.getLogger(__name__)
 

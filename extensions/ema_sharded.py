@@ -13,8 +13,8 @@ sharded average when it binds (Event.BEFORE_LOAD, right after Composer shards th
 torch distributed checkpoint pickles an algorithm's state whole (Composer 0.32.1 keeps algorithms'
 states as (name, state) tuples, which DCP does not traverse): rank 0's shards alone would be saved.
 So the DTensors travel in a callback's state, `EMAShards`, a dict that DCP saves shard by shard; the
-EMA's own state says `ema: SHARDED`. models/sharded_checkpoint.py puts the average back in the EMA's
-state when it reads such a checkpoint for export.
+EMA's own state says `ema: SHARDED`. models/checkpoints/sharded_checkpoint.py puts the average back in the
+EMA's state when it reads such a checkpoint for export.
 
 Swapping the average in for evaluation copies it into the parameters' shards (the raw shards kept
 aside) and reshards every FSDP2 module, so the next forward gathers what the shards hold now.
@@ -25,7 +25,7 @@ from composer.core import Callback
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-# The EMA's state's `ema` under FSDP2 (models/sharded_checkpoint.py reads the same words).
+# The EMA's state's `ema` under FSDP2 (models/checkpoints/sharded_checkpoint.py reads the same words).
 SHARDED = "sharded: in callbacks.EMAShards"
 
 

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 TARGET = f"{__name__}.QualityTarget"  # the `_target_` that recipes/config.py looks for
 # The metric read when `metric` is null, first found first: MLPerf's loss at fixed timesteps when the
-# model measures it (model.eval_timesteps: models/eval_timesteps.py), else the seeded validation MSE.
+# model measures it (model.eval_timesteps: models/engine/eval_timesteps.py), else the seeded validation MSE.
 DEFAULT_METRICS = ("FixedTimestepLoss", "MeanSquaredError")
 
 

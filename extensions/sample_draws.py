@@ -1,4 +1,4 @@
-"""SampleDraws: tells a model that draws per sample (`model.train_draws: sample`, models/draw_keys.py)
+"""SampleDraws: tells a model that draws per sample (`model.train_draws: sample`, models/engine/draw_keys.py)
 the run's seed and the index of the batch it trains, before each batch.
 
 The batch index is Composer's timestamp, which a checkpoint holds, so a resumed run (on any number of

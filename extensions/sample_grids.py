@@ -36,8 +36,8 @@ from torchvision.utils import save_image
 from extensions.callbacks import preserved_rng
 from extensions.ema import find_ema
 from models.cli_checks import check_guidance, check_size
+from models.engine.objectives import SAMPLERS
 from models.generate import sample_grid, sampler_for
-from models.stable_diffusion import SAMPLERS
 
 log = logging.getLogger(__name__)
 

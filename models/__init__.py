@@ -3,10 +3,10 @@
 import compat.torchao  # noqa: F401  (first: quiets what importing torchao logs; compat/torchao.py)
 from models.autoencoder import Autoencoder, build_autoencoder
 from models.build import build_model
-from models.mmdit import RectifiedFlowTransformer
-from models.presets import PRESETS
-from models.sdxl import StableDiffusionXL
-from models.stable_diffusion import StableDiffusion
+from models.families.mmdit.model import RectifiedFlowTransformer
+from models.families.sd.model import StableDiffusion
+from models.families.sdxl.model import StableDiffusionXL
+from models.registry import PRESETS
 
 # `model.preset` in a run config -> the builder its other keys go to. `<preset>-vae` trains only
 # that preset's VAE (yamls/tiny-vae.yaml).

@@ -17,9 +17,9 @@ from composer.models import ComposerModel
 from diffusers import AutoencoderKL
 from torchmetrics import MeanSquaredError
 
-from models.pixels import to_float
-from models.presets import PRESETS
-from models.tokenizer import build_tokenizer
+from models.engine.pixels import to_float
+from models.engine.tokenizer import build_tokenizer
+from models.registry import PRESETS
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +77,11 @@ class Autoencoder(ComposerModel):
 
 
 def build_autoencoder(preset: str, *, kl_weight: float = 1e-6) -> Autoencoder:
-    """The Autoencoder for the VAE of `preset` ("tiny" or "tiny-vae": a name in models.presets.PRESETS,
+    """The Autoencoder for the VAE of `preset` ("tiny" or "tiny-vae": a name in models.registry.PRESETS,
     with or without the "-vae" suffix run configs use), with random weights."""
     name = preset.removesuffix("-vae")
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     model = Autoencoder(AutoencoderKL(**PRESETS[name]["vae"]), kl_weight=kl_weight)
-    model.preset = f"{name}-vae"  # for the checkpoint's model record (models/record.py)
+    model.preset = f"{name}-vae"  # for the checkpoint's model record (models/checkpoints/record.py)
     return model

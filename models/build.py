@@ -10,18 +10,20 @@ from pathlib import Path
 import torch
 from diffusers import DDPMScheduler
 
-import models.family as families
+import models.registry as families
 from compat.diffusers import AttnProcessor
 from models.build_checks import PARAM_DTYPES, checked
-from models.family import FLOW_OPTIONS, build_components, load_component
-from models.fp8 import convert_to_fp8, fp8_recipe
-from models.lora import add_lora, drop_frozen_weights
-from models.mmdit import RectifiedFlowTransformer
-from models.presets import PRESETS, bundled_t5, denoiser_name
-from models.sharding import configure as configure_sharding
-from models.stable_diffusion import StableDiffusion
-from models.tokenizer import build_t5_tokenizer, build_tokenizer
-from models.torch_compile import compile_denoiser
+from models.components import build_components, load_component
+from models.engine.family import FLOW_OPTIONS
+from models.engine.tokenizer import build_t5_tokenizer, build_tokenizer
+from models.families.mmdit.model import RectifiedFlowTransformer
+from models.families.sd.model import StableDiffusion
+from models.presets import bundled_t5, denoiser_name
+from models.registry import PRESETS
+from models.training.fp8 import convert_to_fp8, fp8_recipe
+from models.training.lora import add_lora, drop_frozen_weights
+from models.training.sharding import configure as configure_sharding
+from models.training.torch_compile import compile_denoiser
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def _partners(preset: str, components) -> list[str]:
 
 def bundled_tokenizers(preset: str) -> dict:
     """The bundled BPE tokenizer(s) of a preset, each with its padding, and a `bundled_t5` preset's
-    offline T5 tokenizer (models/tokenizer.py)."""
+    offline T5 tokenizer (models/engine/tokenizer.py)."""
     spec = PRESETS[preset]
     # Each CLIP tokenizer pads as its preset says: `pad_token`, `pad_token_2`.
     tokenizers = {}
@@ -105,8 +107,8 @@ def build_model(
     eval_timesteps: int | None = None,
     train_draws: str = "rank",
 ) -> StableDiffusion | RectifiedFlowTransformer:
-    """The ComposerModel for `preset` (a name in models.presets.PRESETS): its family's model class
-    (models/family.py), a StableDiffusion, a StableDiffusionXL or a RectifiedFlowTransformer.
+    """The ComposerModel for `preset` (a name in models.registry.PRESETS): its family's model class
+    (models/registry.py), a StableDiffusion, a StableDiffusionXL or a RectifiedFlowTransformer.
 
     pretrained: a diffusers-format folder (or hub id) to load `pretrained_components` from; the
         others keep the preset's random initialisation. Default components: the denoiser ("unet", or
@@ -119,8 +121,8 @@ def build_model(
     zero_terminal_snr: rescale the betas so the last timestep is pure noise (Lin et al. 2023);
         needs v-prediction, since epsilon is not learnable at zero SNR.
     timestep_mean, timestep_std, timestep_shift, loss_weighting: the rectified-flow objective of an
-        mmdit preset (models/mmdit.py): logit-normal timesteps (SD3's defaults 0, 1), shifted by
-        `timestep_shift` in training and sampling alike (None: the noise scheduler's `shift`, a
+        mmdit preset (models/families/mmdit/model.py): logit-normal timesteps (SD3's defaults 0, 1), shifted
+        by `timestep_shift` in training and sampling alike (None: the noise scheduler's `shift`, a
         loaded scheduler's or the preset's, SD3's 3.0; a number, 1 = none; "auto":
         sqrt(pixels / 256^2), the SD3 paper's resolution-dependent shift, at each batch's and each
         sample's size), and an optional loss weighting (None, "sigma_sqrt", "cosmap": diffusers' names).
@@ -134,32 +136,33 @@ def build_model(
         torch.compile options, e.g. {mode: reduce-overhead} (CUDA graphs) or {backend: aot_eager} (no
         C compiler needed). Static shapes unless the dict gives `dynamic`: one graph per input shape
         (each aspect-ratio bucket's), compiled at its first batch, never a dynamic-shape one. Under
-        CUDA graphs each denoiser call starts a new CUDA-graph step (models/torch_compile.py says why).
+        CUDA graphs each denoiser call starts a new CUDA-graph step (models/training/torch_compile.py says
+        why).
     fsdp_wrap, activation_checkpointing: the denoiser's FSDP units ("unet": the whole network,
         "blocks", "layers") and the ones recomputed in the backward pass under FSDP (None, "blocks",
-        "layers"); see models/sharding.py (a transformer's blocks and layers are both its
+        "layers"); see models/training/sharding.py (a transformer's blocks and layers are both its
         joint-attention blocks).
     lora: {rank, alpha, target_modules, dropout} trains a peft LoRA adapter instead of the denoiser
-        (models/lora.py; the family's default targets: models/family.py `lora_targets`); needs every
-        network from `pretrained`, and checkpoints hold the adapter only.
+        (models/training/lora.py; the family's default targets: models/registry.py `lora_targets`); needs
+        every network from `pretrained`, and checkpoints hold the adapter only.
     param_dtype: None or "float32" (the default: fp32 weights, which autocast casts to bf16 on each
         use), or "bfloat16": the denoiser's weights and buffers are bf16 (cast after the other
         switches), so the forward and backward read them as they are; the run's AdamW keeps fp32
         master weights and moments (extensions/master_weights.py). The frozen VAE and text encoders
         stay as they are.
     fp8: true (torchao's "rowwise" recipe), "tensorwise" or "rowwise_with_gw_hp" trains the
-        transformer blocks' attention and MLP matmuls in float8 (models/fp8.py: which layers, why);
+        transformer blocks' attention and MLP matmuls in float8 (models/training/fp8.py: which layers, why);
         transformer presets only; weights, checkpoints and exports stay high precision. Emulated
         without CUDA, an error on a GPU older than sm_89. Default false.
     init: None (diffusers' own initialisation) or a rule of the preset's family for a denoiser trained
-        from scratch (models/family.py `inits`: the flux presets' "reference", the MLPerf Flux.1
-        reference's, models/flux_init.py); never over a pretrained denoiser.
+        from scratch (models/registry.py `inits`: the flux presets' "reference", the MLPerf Flux.1
+        reference's, models/families/flux/reference_init.py); never over a pretrained denoiser.
     eval_timesteps: validate each sample at one of K evenly spaced timesteps (its eval seed picks
         which) and add the metric FixedTimestepLoss, MLPerf's Flux rule with K = 8
-        (models/eval_timesteps.py); None: at a seeded random timestep.
+        (models/engine/eval_timesteps.py); None: at a seeded random timestep.
     train_draws: "rank" (training's noise, timesteps and caption dropout from the global RNG, which
         Composer seeds seed + rank) or "sample" (keyed by the run's seed, the batch index and each
-        sample's index: the same on any number of processes; models/draw_keys.py).
+        sample's index: the same on any number of processes; models/engine/draw_keys.py).
     """
     objective, pretrained_components, lora = checked(
         preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
@@ -188,7 +191,7 @@ def build_model(
     model = families.of(preset).model_class(caption_drop_prob=caption_drop_prob, **options, **parts)
     if lora is not None:
         model.register_state_dict_post_hook(drop_frozen_weights)
-    # For the checkpoint's model record (models/record.py).
+    # For the checkpoint's model record (models/checkpoints/record.py).
     model.preset = preset
     model.tokenizer_source = pretrained if pretrained and "tokenizer" in pretrained_components else None
     model.pretrained = (
@@ -228,7 +231,8 @@ def _parts(preset: str, pretrained: str | None, pretrained_components: list[str]
         parts[key] = load_component(name, pretrained, preset)
         log.info("loaded %s from %s", name, pretrained)
     options = families.of(preset).options
-    if "force_zeros_for_empty_prompt" in options:  # SDXL's unconditional branch (models/sdxl.py)
+    # SDXL's unconditional branch (models/families/sdxl/model.py)
+    if "force_zeros_for_empty_prompt" in options:
         parts["force_zeros_for_empty_prompt"] = _pipeline_flag(
             pretrained, "force_zeros_for_empty_prompt", True
         )
@@ -241,7 +245,8 @@ def _parts(preset: str, pretrained: str | None, pretrained_components: list[str]
 
 def _pipeline_flag(pretrained: str, key: str, default):
     """A pipeline setting from the folder's (or hub id's) model_index.json: SDXL's
-    `force_zeros_for_empty_prompt` decides what its unconditional branch is (models/sdxl.py)."""
+    `force_zeros_for_empty_prompt` decides what its unconditional branch is
+    (models/families/sdxl/model.py)."""
     index = Path(pretrained).expanduser() / "model_index.json"
     if not index.is_file():
         try:

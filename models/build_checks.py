@@ -5,16 +5,16 @@ needs which pretrained parts. Errors name the option."""
 
 import torch
 
-import models.family as families
-from models.draw_keys import check_train_draws
-from models.eval_timesteps import check_eval_timesteps
-from models.family import OBJECTIVE_OPTIONS
-from models.fp8 import fp8_recipe
-from models.lora import check_lora_options
-from models.mmdit import LOSS_WEIGHTINGS
-from models.objectives import TIMESTEP_DENSITIES
-from models.presets import OPTIONAL, PRESETS, bundled_t5, denoiser_name
-from models.sharding import GRANULARITIES
+import models.registry as families
+from models.engine.draw_keys import check_train_draws
+from models.engine.eval_timesteps import check_eval_timesteps
+from models.engine.family import OBJECTIVE_OPTIONS, OPTIONAL
+from models.engine.objectives import LOSS_WEIGHTINGS, TIMESTEP_DENSITIES
+from models.presets import bundled_t5, denoiser_name
+from models.registry import PRESETS
+from models.training.fp8 import fp8_recipe
+from models.training.lora import check_lora_options
+from models.training.sharding import GRANULARITIES
 
 # model.param_dtype -> the dtype the denoiser's weights are cast to (None: left fp32).
 PARAM_DTYPES = {None: None, "float32": None, "bfloat16": torch.bfloat16}

@@ -7,7 +7,7 @@ says `guidance=-1`, which recipes/config.py turns into `callbacks.samples.guidan
 
 import math
 
-from models.family import of_model
+from models.registry import of_model
 
 
 class UsageError(ValueError):

@@ -1,14 +1,14 @@
 """Composer checkpoint -> StableDiffusion(XL) or rectified-flow model -> diffusers pipeline folder:
 a `StableDiffusionPipeline` (`StableDiffusionXLPipeline` for an SDXL model, `StableDiffusion3Pipeline`
-for an mmdit one, `FluxPipeline` for a Flux one: models/flux_folder.py).
+for an mmdit one, `FluxPipeline` for a Flux one: models/families/flux/folder.py).
 
     python -m models.export CHECKPOINT OUT_DIR [--ema | --raw] [--preset tiny]
 
 CHECKPOINT is a checkpoint file (`ep0-ba200-rank0.pt`, `latest-rank0.pt`) or a sharded run's
 checkpoint folder (`ep0-ba200/`, read on one process whatever the number of ranks that wrote it:
-models/sharded_checkpoint.py); a LoRA run's checkpoint exports with `--lora` or `--merge-lora`.
+models/checkpoints/sharded_checkpoint.py); a LoRA run's checkpoint exports with `--lora` or `--merge-lora`.
 
-A checkpoint carries its model record (models/record.py: model family, component configs, noise
+A checkpoint carries its model record (models/checkpoints/record.py: model family, component configs, noise
 schedule, prediction type, zero-terminal SNR, latent scale, preset), and that exact model is rebuilt;
 a `--preset` or `--prediction-type` that contradicts it is an error. Checkpoints written before the
 record existed are read as before, with a warning: the architecture is inferred by matching their
@@ -49,9 +49,9 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 
-import models.family as families
+import models.registry as families
 from models.build import bundled_tokenizers
-from models.checkpoint_file import (
+from models.checkpoints.checkpoint_file import (
     CheckpointError,
     ema_state,
     master_state,
@@ -59,13 +59,14 @@ from models.checkpoint_file import (
     raw_state,
     read_checkpoint,
 )
-from models.family import build_components
-from models.lora import merge_lora, save_lora
-from models.mmdit import RectifiedFlowTransformer
+from models.checkpoints.record import autoencoder_preset, read_record, rebuild_model
+from models.components import build_components
+from models.engine.family import OBJECTIVE_OPTIONS
+from models.families.mmdit.model import RectifiedFlowTransformer
+from models.families.sd.model import StableDiffusion
 from models.out_dir import WriteError, check_out_dir, written_into_place
-from models.presets import PRESETS
-from models.record import autoencoder_preset, read_record, rebuild_model
-from models.stable_diffusion import StableDiffusion
+from models.registry import PRESETS
+from models.training.lora import merge_lora, save_lora
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,8 @@ def _difference(expected: dict, weights: dict) -> str | None:
 
 
 def weights_family(weights: dict[str, torch.Tensor]) -> str:
-    """The family of a state dict (models.presets.family): the one whose networks its tensors' prefixes
-    name, the most of them (models.family.of_components)."""
+    """The family of a state dict (models.registry.family): the one whose networks its tensors' prefixes
+    name, the most of them (models.registry.of_components)."""
     return families.of_components({key.split(".")[0] for key in weights}).name
 
 
@@ -233,7 +234,7 @@ def _lora_model(path, record: dict, weights: dict):
     family = families.of(record["preset"])
     # The objective's options the record keeps (a DDPM's prediction type and zero-terminal SNR; a flow's
     # timestep options): the sampler the export writes comes from them.
-    options = {k: record[k] for k in families.OBJECTIVE_OPTIONS[family.objective] if k in record}
+    options = {k: record[k] for k in OBJECTIVE_OPTIONS[family.objective] if k in record}
     model = build_model(
         record["preset"],
         pretrained=source,

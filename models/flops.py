@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from models.family import build_components, of
+from models.components import build_components
 from models.flop_count import (  # noqa: F401 (the counters: imported from here too)
     _BATCH,
     CONTEXT_LENGTH,
@@ -28,7 +28,8 @@ from models.flop_count import (  # noqa: F401 (the counters: imported from here 
     transformer_training_flops,
     unet_training_flops,
 )
-from models.presets import PRESETS, denoiser_factor, denoiser_name, vae_factor
+from models.presets import denoiser_factor, denoiser_name, vae_factor
+from models.registry import PRESETS, of
 from models.stored_form import meta_ids, meta_parts
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ PEAK_BF16_FLOPS = {
 
 
 def context_length(preset: str) -> int:
-    """Text tokens the denoiser attends to, as the family's conditioner says (models/conditioners.py:
+    """Text tokens the denoiser attends to, as the family's conditioner says (models/engine/conditioners.py:
     CLIP's 77, an mmdit preset's T5 part after them, Flux's T5 tokens alone)."""
     return of(preset).conditioner.context_tokens(PRESETS[preset].get("t5_tokens"))
 

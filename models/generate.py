@@ -24,8 +24,14 @@ from pathlib import Path
 import torch
 from torchvision.utils import save_image
 
-import models.family as families
-from models.checkpoint_file import CheckpointError, check_checkpoint_file, folder_problem, one_line_errors
+import models.registry as families
+from models.checkpoints.checkpoint_file import (
+    CheckpointError,
+    check_checkpoint_file,
+    folder_problem,
+    one_line_errors,
+)
+from models.checkpoints.sharded_checkpoint import is_sharded_checkpoint
 from models.cli_checks import (
     UsageError,
     check_count,
@@ -33,10 +39,11 @@ from models.cli_checks import (
     check_guidance_rescale,
     check_sampling_args,
 )
+from models.components import load_folder
+from models.engine.objectives import SAMPLERS
 from models.export import add_weight_args, load_model_from_checkpoint
-from models.mmdit import RectifiedFlowTransformer
-from models.sharded_checkpoint import is_sharded_checkpoint
-from models.stable_diffusion import SAMPLERS, StableDiffusion
+from models.families.mmdit.model import RectifiedFlowTransformer
+from models.families.sd.model import StableDiffusion
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +71,14 @@ def sampler_for(model, sampler: str | None) -> str:
 def load_model_from_pipeline_dir(folder: str | Path) -> StableDiffusion | RectifiedFlowTransformer:
     """The model of a diffusers pipeline folder (models.export's output, or any folder with the same
     components), on the CPU in eval mode: the family whose networks its subfolders hold
-    (models.family.of_components: a StableDiffusionXL with a `text_encoder_2/`, a
+    (models.registry.of_components: a StableDiffusionXL with a `text_encoder_2/`, a
     RectifiedFlowTransformer with a `transformer/`, T5 too when it has one)."""
     folder = Path(folder)
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(f"{folder} is not a diffusers pipeline folder (no model_index.json)")
     pipeline = json.loads((folder / "model_index.json").read_text()).get("_class_name")
     family = families.of_components((path.name for path in folder.iterdir() if path.is_dir()), pipeline)
-    model = family.model_class(**families.load_folder(folder, family))
+    model = family.model_class(**load_folder(folder, family))
     log.info("%s: loaded the %s pipeline's components", folder, family.pipeline.__name__)
     return model.eval()
 
@@ -169,7 +176,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--out {out}: give a .png file to write the grid to")
 
 
-# The token-id columns of a conditioner (models/conditioners.py `id_lengths`) and their tokenizers.
+# The token-id columns of a conditioner (models/engine/conditioners.py `id_lengths`) and their tokenizers.
 TOKENIZERS = {"input_ids": "tokenizer", "input_ids_2": "tokenizer_2", "input_ids_3": "tokenizer_3"}
 
 

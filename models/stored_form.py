@@ -1,5 +1,5 @@
 """A preset's stored form without its weights: what `sd-convert latents` stores of a caption
-(models/conditioners.py `encode`: `text_embeds`, and `pooled_text_embeds`, `text_embeds_3` where the
+(models/engine/conditioners.py `encode`: `text_embeds`, and `pooled_text_embeds`, `text_embeds_3` where the
 family has them), shaped by running the family's conditioner itself on meta-device text encoders and
 meta token ids of the lengths it reads. So shapes and FLOPs (models/flops.py) come from the code path
 that trains, for every family, at any size: flux-schnell's T5-XXL costs no memory or time here.
@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import torch
 
-from models.family import build_components, of
-from models.presets import OPTIONAL, PRESETS, construct
+from models.components import build_components
+from models.engine.family import OPTIONAL, construct
+from models.registry import PRESETS, of
 
 
 def meta_parts(preset: str, t5: bool = False) -> SimpleNamespace:

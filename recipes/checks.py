@@ -48,7 +48,7 @@ def cudagraphs_problem(model: dict, trainer: dict) -> str | None:
     """The denoiser under CUDA graphs (model.compile_unet with mode reduce-overhead or max-autotune)
     and FSDP do not go together: FSDP gathers each unit's weights into new memory at every forward,
     so the graphs, which read fixed addresses, would be recorded again at every step."""
-    from models.torch_compile import compiles_with_cudagraphs
+    from models.training.torch_compile import compiles_with_cudagraphs
 
     compile_unet = model.get("compile_unet")
     if compiles_with_cudagraphs(compile_unet) and (trainer.get("parallelism_config") or {}).get("fsdp"):
@@ -145,8 +145,8 @@ def resolution_problem(preset: str, key: str, resolution) -> str | None:
     """`data.<split>.resolution` positive and a multiple of what the preset's latents need: the VAE's
     factor (8: 30 px would silently train on 24 px crops of 3x3 latents), times the patch size for a
     transformer (its latents are cut into patches)."""
-    from models.family import of
-    from models.presets import PRESETS, denoiser_factor, vae_factor
+    from models.presets import denoiser_factor, vae_factor
+    from models.registry import PRESETS, of
 
     base = preset.removesuffix("-vae") if preset not in PRESETS else preset
     if base not in PRESETS:

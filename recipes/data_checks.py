@@ -196,7 +196,8 @@ def _recorded_preset(remote: str | None, local: str | None) -> str | None:
 def same_latents(made_with: str, preset: str) -> bool:
     """Whether latents encoded for `made_with` are what `preset` reads: the same family, latent
     channels and VAE factor, and text encoders of the same widths."""
-    from models.presets import PRESETS, family, vae_factor
+    from models.presets import vae_factor
+    from models.registry import PRESETS, family
 
     if made_with == preset:
         return True

@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from composer.utils import dist, maybe_create_object_store_from_uri, parse_uri
 
-from models.sharded_checkpoint import EMA_SHARDS, SHARDED_EMA
+from models.checkpoints.sharded_checkpoint import EMA_SHARDS, SHARDED_EMA
 from recipes.resume import is_remote
 
 log = logging.getLogger(__name__)

@@ -28,10 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.family import build_components, of
+from models.components import build_components
+from models.engine.family import construct
 from models.flops import context_length, latent_size
-from models.presets import PRESETS, bundled_t5, construct, denoiser_name
-from models.sharding import units
+from models.presets import bundled_t5, denoiser_name
+from models.registry import PRESETS, of
+from models.training.sharding import units
 
 
 @dataclass(frozen=True)
@@ -146,13 +148,13 @@ def _footprint(preset, resolution, bf16, lora_json, t5, fsdp_wrap, recomputed, f
             )
         denoiser = parts[denoiser_name(preset)]
         if lora_json is not None:
-            from models.lora import add_lora
+            from models.training.lora import add_lora
 
             add_lora(denoiser, **json.loads(lora_json))
     if bf16:
         torch.nn.Module.to(denoiser, torch.bfloat16)  # nn.Module's: diffusers' own warns needlessly
     if fp8 is not None:  # torchao's Float8Linear, emulated: what it saves for the backward is the same
-        from models.fp8 import convert_to_fp8
+        from models.training.fp8 import convert_to_fp8
 
         convert_to_fp8(denoiser, fp8, emulate=True)
     networks = [p for p in parts.values() if isinstance(p, torch.nn.Module)]
@@ -183,7 +185,7 @@ def footprint(
     """`preset`'s footprint training at `resolution` px (square; a bucket of about as many pixels
     keeps about as much): bf16 activations or fp32, a LoRA adapter (`model.lora`, defaults filled in)
     as what trains, SD3's T5 loaded or not, FSDP units of `fsdp_wrap` granularity, and the units of
-    `recomputed` granularity ("blocks", "layers", models/sharding.py) recomputed in the backward, and
-    the blocks' linear layers in float8 under torchao's `fp8` recipe (models/fp8.py)."""
+    `recomputed` granularity ("blocks", "layers", models/training/sharding.py) recomputed in the backward, and
+    the blocks' linear layers in float8 under torchao's `fp8` recipe (models/training/fp8.py)."""
     lora_json = None if lora is None else json.dumps(lora, sort_keys=True)
     return _footprint(preset, resolution, bf16, lora_json, t5, fsdp_wrap, recomputed, fp8)

@@ -3,10 +3,10 @@ checked against the run's model before anything trains.
 
 Composer would load it once the Trainer is built and fail, for another preset's checkpoint, with a
 state-dict traceback of a hundred size mismatches. Here rank 0 reads the checkpoint memory-mapped
-(models/checkpoint_file.py: the tensors' shapes, not their data) and compares it with the model the
-run built: a missing, truncated or foreign file, or a model whose tensors differ, is one config-error
-line on every rank that names the file, the checkpoint's preset (models/record.py records it) and the
-run's. Presets whose tensors are the same (sd2-base and sd2-768-v differ in sample size and objective
+(models/checkpoints/checkpoint_file.py: the tensors' shapes, not their data) and compares it with the model
+the run built: a missing, truncated or foreign file, or a model whose tensors differ, is one config-error
+line on every rank that names the file, the checkpoint's preset (models/checkpoints/record.py records it) and
+the run's. Presets whose tensors are the same (sd2-base and sd2-768-v differ in sample size and objective
 only) may load each other: that is how SD2's 768-v model was trained from the base one.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from composer.utils import format_name_with_dist
 
-from models.checkpoint_file import CheckpointError, folder_problem, model_state, read_checkpoint
-from models.record import read_record
-from models.sharded_checkpoint import (
+from models.checkpoints.checkpoint_file import CheckpointError, folder_problem, model_state, read_checkpoint
+from models.checkpoints.record import read_record
+from models.checkpoints.sharded_checkpoint import (
     ShardedCheckpointError,
     check_complete,
     is_sharded_checkpoint,

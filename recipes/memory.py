@@ -140,8 +140,8 @@ def run_footprint(run, shard: int) -> Footprint:
     asks for it (`gradient_checkpointing`: diffusers' own, ResNet and transformer blocks; or, sharded,
     `model.activation_checkpointing`)."""
     from models.build import build_model
-    from models.fp8 import fp8_recipe
-    from models.lora import check_lora_options
+    from models.training.fp8 import fp8_recipe
+    from models.training.lora import check_lora_options
 
     options = inspect.signature(build_model).bind(**run.model)
     options.apply_defaults()

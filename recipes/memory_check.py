@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from models.presets import PRESETS
+from models.registry import PRESETS
 from recipes.config import ConfigError
 
 log = logging.getLogger(__name__)

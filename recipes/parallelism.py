@@ -7,7 +7,7 @@ how many copies train side by side (`replicate`), and what that becomes for Comp
 
 - `shard: 1` (the default) is data parallelism: DDP on several processes, no wrapper on one.
 - `shard` other than 1 shards the denoiser with torch's FSDP2 (`fully_shard`, through Composer 0.32.1's
-  `FSDP2Config`): one unit per block (`model.fsdp_wrap`, models/sharding.py), the blocks of
+  `FSDP2Config`): one unit per block (`model.fsdp_wrap`, models/training/sharding.py), the blocks of
   `model.activation_checkpointing` recomputed in the backward pass, and sharded checkpoints (torch
   distributed checkpoint: a folder per checkpoint, one file per rank of the first copy and a
   `.metadata` written last). `replicate` > 1 is HSDP: a 2-D mesh (replicate x shard); gradients are
@@ -131,7 +131,7 @@ def config_problem(p: Parallelism, model: dict, trainer: dict) -> str | None:
             f"{where} with model.param_dtype={model['param_dtype']}: FSDP2 keeps fp32 sharded weights "
             "and casts them for compute itself (parallelism.mixed_precision); leave model.param_dtype unset"
         )
-    from models.torch_compile import compiles_with_cudagraphs
+    from models.training.torch_compile import compiles_with_cudagraphs
 
     if compiles_with_cudagraphs(model.get("compile_unet")):
         return (

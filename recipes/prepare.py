@@ -125,8 +125,8 @@ def prepare_random_latents(
     import numpy as np
 
     from convert.latents import preset_columns
-    from models.family import of
-    from models.presets import PRESETS, vae_factor
+    from models.presets import vae_factor
+    from models.registry import PRESETS, of
     from models.stored_form import stored_shapes
 
     local = Path(local)

@@ -5,7 +5,7 @@ Composer 0.32.1 uploads a sharded checkpoint object by object: each rank of the 
 checkpoint_saver.py), each from its own upload threads. A run killed mid-upload leaves some of them,
 and S3 lists an object only once it is whole; so a checkpoint counts when its `.metadata` is listed
 and every file that metadata names is listed at least as long as the bytes it reads from it
-(models/sharded_checkpoint.py): one download of the `.metadata` (kilobytes) and one size request
+(models/checkpoints/sharded_checkpoint.py): one download of the `.metadata` (kilobytes) and one size request
 per file.
 """
 
@@ -14,7 +14,12 @@ import re
 import tempfile
 from pathlib import Path
 
-from models.sharded_checkpoint import METADATA, ShardedCheckpointError, read_metadata, shard_problem
+from models.checkpoints.sharded_checkpoint import (
+    METADATA,
+    ShardedCheckpointError,
+    read_metadata,
+    shard_problem,
+)
 
 log = logging.getLogger(__name__)
 

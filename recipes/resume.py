@@ -18,7 +18,7 @@ temporary folder. Nothing is written outside the configured folders and no local
 Sharded checkpoints (FSDP2, recipes/parallelism.py: a folder `ep{epoch}-ba{batch}/` per checkpoint,
 a file per rank and a `.metadata`, uploaded object by object) count only when complete: the
 `.metadata` is there and every file it names is, at least as long as the bytes it reads from it
-(models/sharded_checkpoint.py). A folder some rank's upload or write never finished is skipped, as
+(models/checkpoints/sharded_checkpoint.py). A folder some rank's upload or write never finished is skipped, as
 is a checkpoint file that does not load; the newest complete checkpoint of either kind is resumed.
 
 A local folder is not left to Composer either (`local_autoresume`): its autoresume follows rank 0's
@@ -27,7 +27,7 @@ the two restarts the run at batch 0 over its own checkpoints) and which may name
 not load (one torn by a crash before extensions/checkpointing.py made writes atomic, or damaged
 since). Instead rank 0 lists the folder, every rank says which of those files it sees whole (same
 size: a save_folder that some node does not share shows up here), and rank 0 takes the newest that
-every rank sees and that loads (models/checkpoint_file.py), then broadcasts that one decision. A
+every rank sees and that loads (models/checkpoints/checkpoint_file.py), then broadcasts that one decision. A
 newer file that does not load is skipped with a warning naming it, and renamed aside
 (`NAME.unreadable`, never deleted): under its own name Composer would refuse to start
 (save_overwrite=false, a "conflicting" newer checkpoint) or the run would save over it.
@@ -42,8 +42,13 @@ from pathlib import Path
 from composer.utils import dist, format_name_with_dist, maybe_create_object_store_from_uri, parse_uri
 
 from common.atomic import atomic_path
-from models.checkpoint_file import CheckpointError, read_checkpoint
-from models.sharded_checkpoint import METADATA, ShardedCheckpointError, check_complete, is_sharded_checkpoint
+from models.checkpoints.checkpoint_file import CheckpointError, read_checkpoint
+from models.checkpoints.sharded_checkpoint import (
+    METADATA,
+    ShardedCheckpointError,
+    check_complete,
+    is_sharded_checkpoint,
+)
 from recipes.remote_sharded import complete_remote_checkpoints
 
 log = logging.getLogger(__name__)

@@ -36,11 +36,11 @@ from extensions.quality_target import QualityTarget
 from extensions.sample_draws import SampleDraws
 from models import Autoencoder, build
 from models.build import check_pretrained
-from models.family import MODEL_CLASSES, of_model
-from models.fp8 import cpu_emulation
+from models.checkpoints.record import ModelRecord, describe
 from models.presets import size_multiple
-from models.record import ModelRecord, describe
-from models.torch_compile import compiles_with_cudagraphs
+from models.registry import MODEL_CLASSES, of_model
+from models.training.fp8 import cpu_emulation
+from models.training.torch_compile import compiles_with_cudagraphs
 from recipes.config import ConfigError, RunConfig, check_device, parse_config
 from recipes.data_checks import check_data
 from recipes.keep_checkpoints import adopt_earlier_checkpoints
@@ -147,7 +147,7 @@ def _size_multiple(preset: str) -> int:
 
 def loader_inputs(model) -> dict:
     """What the image data path hands `model` besides the image and CLIP ids (data/image_caption.py),
-    as its family's conditioner says (models/conditioners.py: a second tokenizer, T5's ids `t5_tokens`
+    as its family's conditioner says (models/engine/conditioners.py: a second tokenizer, T5's ids `t5_tokens`
     long when the model has a T5) and SDXL's micro-conditioning sizes."""
     if not hasattr(model, "conditioner"):  # an autoencoder run (models/autoencoder.py): images alone
         return {}

@@ -22,8 +22,8 @@ from bench.narrow import register_preset
 from compat.torch import counters, explain, is_compiled, list_mode_options
 from extensions.persistent_grads import PersistentGradients
 from models import MODELS, PRESETS, build
-from models.tokenizer import tokenize
-from models.torch_compile import CUDAGRAPH_MODES, uses_cudagraphs
+from models.engine.tokenizer import tokenize
+from models.training.torch_compile import CUDAGRAPH_MODES, uses_cudagraphs
 from recipes import ConfigError, build_trainer, load_config, parse_config
 from tests.conftest import REPO, tiny_run
 

@@ -10,8 +10,8 @@ from data.image_caption import ImageCaptionDataset, cover_crop, image_transform
 from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader
 from data.streaming_base import StreamingBase
 from data.transforms import square_pixels
-from models.pixels import to_float
-from models.tokenizer import build_tokenizer, tokenize
+from models.engine.pixels import to_float
+from models.engine.tokenizer import build_tokenizer, tokenize
 
 
 def test_mds_reads_back_exactly_what_was_written(shapes_mds):

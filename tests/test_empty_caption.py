@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-import models.family as families
+import models.registry as families
 from convert.encoders import load_encoders
 from convert.latents import LatentsOptions, convert_latents, preset_columns
 from convert.storage import LocalStore

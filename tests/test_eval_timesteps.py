@@ -1,5 +1,5 @@
 """`model.eval_timesteps: K`: each validation sample at one of K fixed, evenly spaced timesteps, picked
-by its eval seed, with its own seeded noise (MLPerf's Flux rule, models/eval_timesteps.py), for every
+by its eval seed, with its own seeded noise (MLPerf's Flux rule, models/engine/eval_timesteps.py), for every
 family of the conformance suite (tests/test_families.py FAMILIES)."""
 
 from types import SimpleNamespace
@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import default_collate
 
 from models import build_model
-from models.eval_timesteps import FixedTimestepLoss, level_indices
-from models.latent_diffusion import LatentDiffusion
+from models.engine.eval_timesteps import FixedTimestepLoss, level_indices
+from models.engine.latent_diffusion import LatentDiffusion
 from recipes import load_config, parse_config
 from recipes.config import ConfigError
 from tests.conftest import REPO

@@ -16,6 +16,7 @@ import torch
 import yaml
 from torch.utils.data import default_collate
 
+from models.registry import FAMILIES as REGISTERED
 from tests.golden.make_family_bits import GOLDEN, RECIPES, family_bits
 
 PRESETS = list(RECIPES)
@@ -54,7 +55,7 @@ def test_every_family_gives_the_recorded_bits(preset, golden, shapes_mds, tmp_pa
 # training loader, `sd-convert latents`, the record, export) and the batch keys its own loader gives:
 # nothing below names a family's batch keys or encoder functions, so a new family is one more entry.
 
-FAMILIES = {"sd": "tiny", "sdxl": "sdxl-tiny", "mmdit": "mmdit-tiny", "flux": "flux-tiny"}
+FAMILIES = {name: family.tiny for name, family in REGISTERED.items()}  # the registry's, each one's tiny
 N = 4  # samples per batch: the first of the shapes set
 PROMPTS = ["a red circle", "a blue square"]
 SAMPLING = dict(guidance_scale=4.0, num_inference_steps=4)
@@ -144,7 +145,7 @@ def _denoiser_call(model, run) -> tuple[dict[str, torch.Tensor], object]:
 
 def _checkpoint(model, path: Path) -> Path:
     """What a Composer checkpoint holds for export: the weights and the ModelRecord callback's record."""
-    from models.record import describe
+    from models.checkpoints.record import describe
 
     state = {"model": model.state_dict(), "callbacks": {"ModelRecord": describe(model)}, "algorithms": []}
     torch.save({"state": state}, path)
@@ -246,8 +247,8 @@ def test_precomputed_latents_give_the_image_path_s_loss(preset, batches):
 
 
 def test_the_checkpoint_record_rebuilds_the_model(preset, tmp_path):
+    from models.checkpoints.record import describe, read_record
     from models.export import load_model_from_checkpoint
-    from models.record import describe, read_record
 
     model = _model(preset).eval()
     checkpoint = _checkpoint(model, tmp_path / "ckpt.pt")
@@ -302,53 +303,13 @@ def pipeline_images(pipe, folder: Path, seed: int) -> torch.Tensor:
     return pipe(PROMPTS, generator=generator, output_type="pt", **options, **sampling).images
 
 
-# The published checkpoints as diffusers counts their configs: stabilityai/stable-diffusion-2-base,
-# stable-diffusion-xl-base-1.0 (issue 25's numbers), stable-diffusion-3-medium-diffusers (issue 26's
-# transformer; CLIP ViT-L/14 with its projection, OpenCLIP bigG/14, the 16-channel VAE),
-# black-forest-labs/FLUX.1-schnell and FLUX.1-dev (issue 40's transformers, the guidance embedding
-# the difference; CLIP ViT-L/14 without its projection; T5 v1.1 XXL's encoder, text_encoder_2/'s
-# safetensors index total_size 9,524,621,312 bytes of bf16; SD3's VAE architecture).
-PUBLISHED = {
-    "sd2-base": {
-        "unet": 865_910_724,
-        "vae": 83_653_863,
-        "text_encoder": 340_387_840,
-        "latent_scale": 0.18215,
-    },
-    "sdxl-base": {
-        "unet": 2_567_463_684,
-        "vae": 83_653_863,
-        "text_encoder": 123_060_480,
-        "text_encoder_2": 694_659_840,
-        "latent_scale": 0.13025,
-    },
-    "sd3-medium": {
-        "transformer": 2_028_328_000,
-        "vae": 83_819_683,
-        "text_encoder": 123_650_304,
-        "text_encoder_2": 694_659_840,
-        "latent_scale": 1.5305,
-    },
-    "flux-schnell": {
-        "transformer": 11_891_178_560,
-        "vae": 83_819_683,
-        "text_encoder": 123_060_480,
-        "text_encoder_2": 4_762_310_656,
-        "latent_scale": 0.3611,
-    },
-    "flux-dev": {
-        "transformer": 11_901_408_320,
-        "vae": 83_819_683,
-        "text_encoder": 123_060_480,
-        "text_encoder_2": 4_762_310_656,
-        "latent_scale": 0.3611,
-    },
-}
+# Each family's published full-size checkpoints (its presets.py says where each count comes from).
+PUBLISHED = {preset: counts for family in REGISTERED.values() for preset, counts in family.published.items()}
 
 
 @pytest.mark.parametrize("published", list(PUBLISHED))
 def test_full_size_presets_have_the_published_parameter_counts(published):
-    from models.family import build_components
+    from models.components import build_components
 
     with torch.device("meta"):  # billions of parameters: shapes only
         parts = build_components(published)
@@ -358,3 +319,17 @@ def test_full_size_presets_have_the_published_parameter_counts(published):
         if isinstance(part, torch.nn.Module)
     }
     assert {**counts, "latent_scale": parts["latent_scale"]} == PUBLISHED[published]
+
+
+@pytest.mark.parametrize("name", list(REGISTERED))
+def test_each_family_declares_its_tiny_preset_recipe_and_published_counts(name):
+    """What the suite, the golden bits and the demo read from a family's declaration exists: its tiny
+    preset among its own presets, a CPU recipe that trains that preset, published counts of its own
+    full-size presets."""
+    family = REGISTERED[name]
+    assert family.tiny in family.presets
+    recipe = yaml.safe_load(
+        (Path(__file__).resolve().parents[1] / f"yamls/{family.tiny_recipe}.yaml").read_text()
+    )
+    assert recipe["model"]["preset"] == family.tiny
+    assert family.published and set(family.published) <= set(family.presets)

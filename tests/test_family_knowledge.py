@@ -1,15 +1,16 @@
-"""Family knowledge lives in the family table (models/family.py, with the presets' data in
-models/presets.py): product code asks the table (`of(preset)`, `of_model(model)`) and never branches on
-a family. Read from the source's syntax trees, the lines that do: a comparison with a family's name or
-with a family lookup (`family(...)`), an isinstance/issubclass against a family's model class, a dict
-keyed by family names, or a subscript by one. Issue 38's bound: at most 2 files, at most 20 lines."""
+"""Family knowledge lives in the family folders (models/families/*/, each declaring its `Family`) and
+the registry that lists them (models/registry.py): product code asks the registry (`of(preset)`,
+`of_model(model)`) and never branches on a family. Read from the source's syntax trees, the lines
+that do: a comparison with a family's name or with a family lookup (`family(...)`), an
+isinstance/issubclass against a family's model class, a dict keyed by family names, or a subscript
+by one. Issue 38's bound: at most 2 files, at most 20 lines."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-from models.family import FAMILIES
+from models.registry import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = [
@@ -74,8 +75,8 @@ def family_branches() -> dict[str, set[int]]:
 def test_family_knowledge_stays_in_the_table():
     found = family_branches()
     assert len(found) <= 2 and sum(map(len, found.values())) <= 20, found
-    assert set(found) <= {"models/family.py"} | {
-        str(p.relative_to(ROOT)) for p in ROOT.glob("models/presets*.py")
+    assert set(found) <= {"models/registry.py"} | {
+        str(p.relative_to(ROOT)) for p in ROOT.glob("models/families/*/*.py")
     }, found
 
 

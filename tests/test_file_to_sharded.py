@@ -1,6 +1,6 @@
 """recipes/file_to_sharded.py: a checkpoint file written as the torch distributed checkpoint a sharded
 run loads, holding the same model weights and the EMA's average where a sharded run keeps it (read
-back on one process by models/sharded_checkpoint.py), from a local file and from one in the bucket
+back on one process by models/checkpoints/sharded_checkpoint.py), from a local file and from one in the bucket
 (SeaweedFS, downloaded into the temp space, the download removed). The 2-process continuation
 itself: tests/test_fsdp2_train.py."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.checkpoint_file import ema_state, model_state, read_checkpoint
-from models.sharded_checkpoint import is_sharded_checkpoint, read_sharded_checkpoint
+from models.checkpoints.checkpoint_file import ema_state, model_state, read_checkpoint
+from models.checkpoints.sharded_checkpoint import is_sharded_checkpoint, read_sharded_checkpoint
 from recipes.file_to_sharded import sharded_copy
 from tests.s3_server import BUCKET, s3_server  # noqa: F401  (s3_server is a fixture)
 

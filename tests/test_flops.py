@@ -7,7 +7,7 @@ from torch import nn
 
 from compat.diffusers import Attention
 from models import flops
-from models.family import build_components
+from models.components import build_components
 
 
 @pytest.mark.heavy  # counts the FLOPs of the full-size SD2 UNet

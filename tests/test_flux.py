@@ -1,4 +1,4 @@
-"""What is Flux's own (models/flux.py, issue 40); the checks every family passes are in
+"""What is Flux's own (models/families/flux/model.py, issue 40); the checks every family passes are in
 tests/test_families.py (flux-tiny is in its conformance suite)."""
 
 import json
@@ -10,9 +10,9 @@ from diffusers import FluxPipeline, FluxTransformer2DModel
 from models import build_model
 from models.build import bundled_tokenizers
 from models.cli_checks import size_multiple_of
-from models.family import build_components
-from models.flux import TRAIN_GUIDANCE, Flux, image_ids, pack, unpack
-from models.objectives import RectifiedFlow
+from models.components import build_components
+from models.engine.objectives import RectifiedFlow
+from models.families.flux.model import TRAIN_GUIDANCE, Flux, image_ids, pack, unpack
 from models.presets import size_multiple
 from tests.conftest import REPO, tiny_run
 

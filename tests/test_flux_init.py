@@ -1,7 +1,7 @@
-"""`model.init: reference` (models/flux_init.py): the MLPerf Flux.1 reference's initialisation on
-flux-tiny, rule by rule (zeroed modulation and final layer, zero biases, Xavier over the reference's
-fused shapes, N(0, 0.02) embedder MLPs), the model it gives (predicting 0 at first), and that nothing
-loaded from a folder is initialised again."""
+"""`model.init: reference` (models/families/flux/reference_init.py): the MLPerf Flux.1 reference's
+initialisation on flux-tiny, rule by rule (zeroed modulation and final layer, zero biases, Xavier over the
+reference's fused shapes, N(0, 0.02) embedder MLPs), the model it gives (predicting 0 at first), and that
+nothing loaded from a folder is initialised again."""
 
 import math
 

@@ -1,5 +1,5 @@
-"""`model.fp8` (models/fp8.py): torchao's Float8Linear on the transformer blocks' matmuls, emulated on
-the CPU. Which layers it takes, that a step trains close to (and not equal to) the high-precision step,
+"""`model.fp8` (models/training/fp8.py): torchao's Float8Linear on the transformer blocks' matmuls, emulated
+on the CPU. Which layers it takes, that a step trains close to (and not equal to) the high-precision step,
 that a run of the tiny Flux recipe trains and its export is the plain high-precision pipeline, the
 errors, and that importing torchao (transformers and diffusers do it) logs nothing."""
 
@@ -12,8 +12,8 @@ from torchao.float8.float8_linear import Float8Linear
 
 from models import build_model
 from models.build import check_model_options
-from models.fp8 import cpu_emulation, emulated
-from models.sharding import units
+from models.training.fp8 import cpu_emulation, emulated
+from models.training.sharding import units
 from tests.conftest import REPO, tiny_run
 
 PROMPTS = ["a red circle", "a blue square"]

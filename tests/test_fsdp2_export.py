@@ -1,5 +1,5 @@
 """Export, generate and the load check read a sharded checkpoint (a folder written by 2 ranks under
-FSDP2) on one process, knowing nothing of the ranks that wrote it (models/sharded_checkpoint.py).
+FSDP2) on one process, knowing nothing of the ranks that wrote it (models/checkpoints/sharded_checkpoint.py).
 
 The same weights as one checkpoint file, made by torch's own converter (`dcp_to_torch_save`, which
 shares no code with ours), export to the same pipeline, which samples the same image."""
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from models import build_model, export, generate
-from models.checkpoint_file import CheckpointError, check_checkpoint_file
+from models.checkpoints.checkpoint_file import CheckpointError, check_checkpoint_file
 from models.export import load_model_from_checkpoint
 from recipes.load_check import load_path_problem
 from tests.fsdp2_runs import BATCHES

@@ -46,7 +46,7 @@ def test_sharded_run_trains_like_the_one_process_run_and_saves_sharded_checkpoin
     mmdit_reference, one_process
 ):
     """The recipe's training draws are keyed per sample (model.train_draws: sample,
-    models/draw_keys.py), so each sample gets the same noise, timestep and caption dropout on one
+    models/engine/draw_keys.py), so each sample gets the same noise, timestep and caption dropout on one
     process or two, and every batch's loss over the whole batch agrees to fp32 rounding (the sharded
     run averages gradients by a reduce-scatter, recomputes every block in the backward pass and sums
     in another order)."""

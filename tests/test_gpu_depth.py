@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from models.family import of
 from models.flops import training_flops_per_image
+from models.registry import of
 from tests.conftest import REPO
 
 spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench/gpu_check.py")

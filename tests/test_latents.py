@@ -11,7 +11,7 @@ from convert.mds import write_mds
 from data.latent_dataset import LatentsDataset
 from data.streaming_base import StreamingBase
 from models import build_model
-from models.tokenizer import tokenize
+from models.engine.tokenizer import tokenize
 from recipes import build_trainer, load_config
 from tests.conftest import REPO, TINY_TEST
 from tests.convert_fixtures import read_mds

@@ -1,5 +1,5 @@
 """`model.lora` on every family (issue 51): on the layers diffusers' own LoRA scripts train for it
-(models/family.py `lora_targets`), the base loaded from a pipeline folder, only the adapter trains;
+(models/registry.py `lora_targets`), the base loaded from a pipeline folder, only the adapter trains;
 its diffusers file, written with the family pipeline's own save_lora_weights, loads with that
 pipeline's load_lora_weights and samples the image `generate` samples from the adapted model, and the
 merged export the same. The SD UNet's whole path through Composer and models.export: tests/test_lora.py."""
@@ -11,8 +11,8 @@ import torch
 
 from models import build_model
 from models.export import export_pipeline
-from models.family import of
-from models.lora import base_components, merge_lora, save_lora
+from models.registry import of
+from models.training.lora import base_components, merge_lora, save_lora
 from tests.test_families import FAMILIES, PROMPTS, SAMPLING, load_pipeline, pipeline_images
 
 pytestmark = pytest.mark.heavy

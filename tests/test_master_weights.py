@@ -241,7 +241,7 @@ def test_build_model_refuses_other_dtypes():
 def test_every_family_trains_evaluates_and_samples_with_bf16_weights(preset):
     """Outside autocast (the CPU; sampling), the denoiser gets its inputs in bf16 and gives back a
     prediction the loss reads in fp32: the loss is the fp32 model's within bf16 rounding."""
-    from models.tokenizer import tokenize
+    from models.engine.tokenizer import tokenize
 
     def build(param_dtype):
         torch.manual_seed(0)

@@ -24,7 +24,7 @@ OVERRIDES = [
 def flux_dev(tmp_path_factory) -> list[str]:
     """flux-dev's overrides: a folder with FLUX.1's T5 tokenizer (the offline tiny one), which is all
     of FLUX.1 a run must load (its tokenizer is not built offline); the networks are built."""
-    from models.tokenizer import build_t5_tokenizer
+    from models.engine.tokenizer import build_t5_tokenizer
 
     folder = tmp_path_factory.mktemp("flux-dev")
     build_t5_tokenizer().save_pretrained(folder / "tokenizer_2")

@@ -138,7 +138,7 @@ def test_validation_puts_each_sample_at_its_stored_timestep(coco, caplog):
         with pytest.raises(ValueError, match=f"set model.eval_timesteps=8, not {k}"):
             build_model(PRESET, eval_timesteps=k).eval_forward(batch)
     unset = build_model(PRESET)
-    with caplog.at_level(logging.WARNING, logger="models.latent_diffusion"):
+    with caplog.at_level(logging.WARNING, logger="models.engine.latent_diffusion"):
         unset.eval_forward(batch)
         unset.eval_forward(batch)
     assert [r.getMessage() for r in caplog.records].count(

@@ -195,7 +195,7 @@ def test_each_wrong_set_is_one_line_naming_the_command_that_reads_it(tmp_path, c
 
 def test_the_coco_set_converted_to_the_bucket_reads_back_with_its_timesteps(s3_server, tmp_path, monkeypatch):  # noqa: F811
     from data.image_caption import ImageCaptionDataset
-    from models.tokenizer import build_tokenizer
+    from models.engine.tokenizer import build_tokenizer
 
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)

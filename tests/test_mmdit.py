@@ -1,6 +1,6 @@
-"""The rectified-flow MMDiT family (models/mmdit.py, presets sd3-medium and mmdit-tiny): the published
-sizes, the objective against a hand computation, the logit-normal timesteps, the conditioning and the
-sampler against diffusers' own StableDiffusion3Pipeline, pretrained folders (T5 too), FLOPs, FSDP
+"""The rectified-flow MMDiT family (models/families/mmdit/model.py, presets sd3-medium and mmdit-tiny): the
+published sizes, the objective against a hand computation, the logit-normal timesteps, the conditioning and
+the sampler against diffusers' own StableDiffusion3Pipeline, pretrained folders (T5 too), FLOPs, FSDP
 units, and the tiny recipe training. (Caption dropout, precomputed embeddings, the training step and
 parameter counts: the suite of every family, tests/test_families.py.)"""
 
@@ -12,12 +12,14 @@ from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 from diffusers.training_utils import compute_loss_weighting_for_sd3
 
 from compat.diffusers import DiagonalGaussianDistribution
-from models import RectifiedFlowTransformer, build_model, sharding
-from models.family import build_components
+from models import RectifiedFlowTransformer, build_model
+from models.components import build_components
+from models.engine.objectives import resolution_shift, shift_timesteps
+from models.engine.tokenizer import build_t5_tokenizer, tokenize
 from models.flops import training_flops_per_image
-from models.mmdit import resolution_shift, shift_timesteps
-from models.presets import PRESETS, size_multiple
-from models.tokenizer import build_t5_tokenizer, tokenize
+from models.presets import size_multiple
+from models.registry import PRESETS
+from models.training import sharding
 from recipes import build_trainer, load_config
 from tests.conftest import REPO, tiny_run
 

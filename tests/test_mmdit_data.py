@@ -18,8 +18,9 @@ from convert.latents import columns, convert_latents, pixel_sizes, preset_column
 from data.latent_dataset import LatentsDataset
 from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader, collate
 from models import build_model
-from models.presets import PRESETS, size_multiple
-from models.tokenizer import build_t5_tokenizer
+from models.engine.tokenizer import build_t5_tokenizer
+from models.presets import size_multiple
+from models.registry import PRESETS
 from recipes.prepare import PREPARERS, prepare_random_latents, prepare_sd3_latents
 from tests.convert_fixtures import read_mds, run_cli
 
@@ -92,7 +93,7 @@ def test_stored_columns_and_shapes(tiny_latents):
     assert all(row[name].dtype == np.float16 for name in ("text_embeds", "pooled_text_embeds", "latents_32"))
     sample = LatentsDataset(resolution=RESOLUTION, local=str(tiny_latents), shuffle=False, batch_size=1)[0]
     assert sample.keys() == {"latents", "text_embeds", "pooled_text_embeds", "sample_index"}
-    assert sample["sample_index"] == 0  # its index in the set (models/draw_keys.py)
+    assert sample["sample_index"] == 0  # its index in the set (models/engine/draw_keys.py)
     assert all(
         sample[name].dtype == torch.float32 for name in ("latents", "text_embeds", "pooled_text_embeds")
     )

@@ -19,9 +19,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, St
 from PIL import Image
 
 from models import RectifiedFlowTransformer, build_model, export, generate
+from models.checkpoints.record import describe, read_record, rebuild
+from models.engine.tokenizer import tokenize
 from models.export import infer_preset, load_model_from_checkpoint, weights_family
-from models.record import describe, read_record, rebuild
-from models.tokenizer import tokenize
 
 PROMPTS = ["a red circle", "a blue square"]
 SAMPLING = dict(guidance_scale=4.0, num_inference_steps=4)
@@ -202,7 +202,7 @@ def test_training_sampling_and_export_share_the_shift(option, tmp_path):
     """One shift per size for training's timesteps, generate's sampler and the exported scheduler:
     None the scheduler's (3 here), a number itself, auto sqrt(pixels / 256^2) at each size; the record
     keeps the option as given and rebuilds it."""
-    from models.mmdit import seeded_flow_draws, shift_timesteps
+    from models.engine.objectives import seeded_flow_draws, shift_timesteps
 
     torch.manual_seed(0)
     model = build_model("mmdit-tiny", timestep_shift=option).eval()
@@ -247,7 +247,7 @@ def test_training_sampling_and_export_share_the_shift(option, tmp_path):
 def test_resuming_compares_the_shift_a_record_stands_for(caplog):
     """A timestep_shift of None is its scheduler's shift: resuming a checkpoint recorded with the
     explicit number is no change, another number is."""
-    from models.record import ModelRecord
+    from models.checkpoints.record import ModelRecord
 
     recorded = describe(build_model("mmdit-tiny", timestep_shift=1.0))  # mmdit-tiny's scheduler: 1.0
     default = ModelRecord(describe(build_model("mmdit-tiny")))
@@ -346,8 +346,8 @@ def test_a_folder_without_our_readme_reads_sd3_s_t5_length(mmdit, tmp_path):
 def _tiny_t5():
     from transformers import T5Config, T5EncoderModel
 
-    from models.presets import PRESETS
-    from models.tokenizer import build_t5_tokenizer
+    from models.engine.tokenizer import build_t5_tokenizer
+    from models.registry import PRESETS
 
     tokenizer = build_t5_tokenizer()
     torch.manual_seed(4)

@@ -1,5 +1,5 @@
 """An mmdit model that reads T5 (issue 38): the `mmdit-tiny-t5` preset (mmdit-tiny with a toy T5 and the
-T5 tokenizer built offline, models/tokenizer.py) trains from images, whose data path hands over T5's
+T5 tokenizer built offline, models/engine/tokenizer.py) trains from images, whose data path hands over T5's
 ids (`input_ids_3`), and from `sd-convert latents` with the same loss, and its checkpoint exports a
 StableDiffusion3Pipeline folder with T5 that samples generate()'s image; sd3-medium with
 text_encoder_3 (yamls/sd3-medium.yaml's option) gets T5's ids from its image data path too."""
@@ -17,11 +17,12 @@ from data.latent_dataset import LatentsDataset
 from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader
 from models import RectifiedFlowTransformer, build_model, export
 from models.build import bundled_tokenizers
+from models.checkpoints.record import read_record
+from models.components import build_components
+from models.engine.tokenizer import T5_VOCAB_SIZE, build_t5_tokenizer, tokenize_t5
 from models.export import load_model_from_checkpoint
-from models.family import build_components
-from models.presets import PRESETS, size_multiple
-from models.record import read_record
-from models.tokenizer import T5_VOCAB_SIZE, build_t5_tokenizer, tokenize_t5
+from models.presets import size_multiple
+from models.registry import PRESETS
 from recipes import build_trainer, load_config
 from recipes.config import parse_config
 from recipes.trainer import loader_inputs

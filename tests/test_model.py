@@ -4,9 +4,9 @@ from diffusers import DDPMScheduler
 
 import models
 from models import build_model
-from models.family import build_components
-from models.presets import PRESETS
-from models.tokenizer import tokenize
+from models.components import build_components
+from models.engine.tokenizer import tokenize
+from models.registry import PRESETS
 from tests.conftest import REPO
 
 
@@ -66,8 +66,8 @@ def _loss(model, batch, seed=1):
 
 def test_uint8_images_train_and_validate_as_their_floats():
     """The data loader hands over uint8; the model converts on the device, bit for bit as the loader's
-    float path would have (models/pixels.py)."""
-    from models.pixels import to_float
+    float path would have (models/engine/pixels.py)."""
+    from models.engine.pixels import to_float
 
     model = build_model("tiny")
     model.train()

@@ -202,7 +202,7 @@ def test_a_sharded_run_saves_its_last_good_checkpoint_folder_and_resumes_from_it
     by the `latest` link (rank 0's, as Composer links sharded checkpoints). Rerunning the command
     without the poison resumes from it and finishes. (An interval checkpoint of that batch already
     there is kept: the test below.)"""
-    from models.sharded_checkpoint import check_complete
+    from models.checkpoints.sharded_checkpoint import check_complete
     from tests.resume_check import COMPOSER, run, train_env
 
     bad = 3

@@ -1,4 +1,4 @@
-"""models/objectives.py: DDPM and rectified flow against hand computations of their formulas, their
+"""models/engine/objectives.py: DDPM and rectified flow against hand computations of their formulas, their
 random draws (order, determinism, per-sample seeding) and the schedulers they sample with."""
 
 import math
@@ -7,8 +7,8 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 
-from models.objectives import DDPM, RectifiedFlow, seeded_draws, seeded_flow_draws
-from models.presets import PRESETS
+from models.engine.objectives import DDPM, RectifiedFlow, seeded_draws, seeded_flow_draws
+from models.registry import PRESETS
 
 SHAPE = (3, 4, 2, 2)  # a batch of 3 latents, 4 channels, 2 x 2
 

@@ -18,8 +18,8 @@ from data.image_caption import ImageCaptionDataset
 from extensions.master_weights import MasterWeightAdamW
 from extensions.watchdog import dist_timeout
 from models import build_model
-from models.record import describe
-from models.torch_compile import compiles_with_cudagraphs
+from models.checkpoints.record import describe
+from models.training.torch_compile import compiles_with_cudagraphs
 from recipes import ConfigError, build_trainer, load_config, parse_config
 from recipes.trainer import trainer_kwargs
 from tests.conftest import REPO

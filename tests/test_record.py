@@ -8,10 +8,10 @@ import torch
 from diffusers import StableDiffusionPipeline
 
 from models import build_model
+from models.checkpoints.record import describe, read_record
 from models.export import export_pipeline, load_model_from_checkpoint
 from models.generate import load_model
-from models.presets import PRESETS
-from models.record import describe, read_record
+from models.registry import PRESETS
 
 PROMPTS = ["a red circle", "a blue square"]
 

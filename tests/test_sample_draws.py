@@ -1,4 +1,4 @@
-"""Training draws keyed per sample (`model.train_draws: sample`, models/draw_keys.py): a batch's loss
+"""Training draws keyed per sample (`model.train_draws: sample`, models/engine/draw_keys.py): a batch's loss
 does not depend on how it is split into microbatches or processes, nor on its order; the draws follow
 the run's seed, the batch index and each sample's index; caption dropout is drawn per sample too; the
 data loader hands the indices over as host ints. The multi-process runs: tests/test_fsdp2_train.py."""
@@ -8,7 +8,7 @@ import torch
 
 from data.loader import collate
 from models import build_model
-from models.draw_keys import SAMPLE_INDEX, draw_seeds
+from models.engine.draw_keys import SAMPLE_INDEX, draw_seeds
 
 CAPTIONS = ["a red circle", "a blue square", "a green triangle", "a red square"] * 2
 

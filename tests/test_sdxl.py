@@ -1,4 +1,4 @@
-"""SDXL's model (models/sdxl.py): the conditioning against diffusers' own SDXL pipeline,
+"""SDXL's model (models/families/sdxl/model.py): the conditioning against diffusers' own SDXL pipeline,
 micro-conditioning, and the tiny recipe training. (Sizes, caption dropout, precomputed embeddings: the
 suite of every family, tests/test_families.py.)"""
 
@@ -7,8 +7,8 @@ import torch
 from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
 from models import build_model
-from models.presets import PRESETS
-from models.tokenizer import tokenize
+from models.engine.tokenizer import tokenize
+from models.registry import PRESETS
 from recipes import build_trainer, load_config
 from tests.conftest import REPO, tiny_run
 

@@ -22,7 +22,7 @@ from data.image_caption import ImageCaptionDataset, cover_crop
 from data.loader import ImageCaptionDataConfig, build_image_caption_dataloader
 from data.transforms import square_pixels
 from models import build_model
-from models.tokenizer import build_tokenizer, tokenize
+from models.engine.tokenizer import build_tokenizer, tokenize
 from recipes import load_config
 from recipes.config import parse_config
 from recipes.trainer import trainer_kwargs

@@ -14,10 +14,10 @@ from diffusers import StableDiffusionXLPipeline
 from PIL import Image
 
 from models import build_model, export, generate
+from models.checkpoints.record import describe, read_record
+from models.engine.tokenizer import tokenize
 from models.export import infer_preset, load_model_from_checkpoint
-from models.record import describe, read_record
-from models.sdxl import StableDiffusionXL
-from models.tokenizer import tokenize
+from models.families.sdxl.model import StableDiffusionXL
 
 PROMPTS = ["a red circle", "a blue square"]
 SAMPLING = dict(guidance_scale=4.0, num_inference_steps=4)

@@ -1,7 +1,7 @@
-"""Sharded checkpoints (torch distributed checkpoint folders, models/sharded_checkpoint.py): when one is
-complete, which one a rerun resumes from, local (recipes/resume.py) and remote (recipes/remote_sharded.py),
-and reading one on a single process. The folders are real ones, written by torch's `dcp.save` on one
-process, in the layout Composer gives them."""
+"""Sharded checkpoints (torch distributed checkpoint folders, models/checkpoints/sharded_checkpoint.py): when
+one is complete, which one a rerun resumes from, local (recipes/resume.py) and remote
+(recipes/remote_sharded.py), and reading one on a single process. The folders are real ones, written by
+torch's `dcp.save` on one process, in the layout Composer gives them."""
 
 import logging
 import shutil
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import save as dcp_save
 
-from models.sharded_checkpoint import (
+from models.checkpoints.sharded_checkpoint import (
     ShardedCheckpointError,
     check_complete,
     read_metadata,

@@ -1,4 +1,4 @@
-"""models/sharding.py: the UNet's FSDP units and activation-checkpointed blocks."""
+"""models/training/sharding.py: the UNet's FSDP units and activation-checkpointed blocks."""
 
 import functools
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from compat.torch import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
-from models import build_model, sharding
-from models.family import build_components
+from models import build_model
+from models.components import build_components
+from models.training import sharding
 
 
 @pytest.mark.parametrize(("preset", "blocks", "layers"), [("tiny", 5, 12), ("sd2-base", 9, 38)])

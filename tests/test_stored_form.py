@@ -6,7 +6,7 @@ latents of the GPU check and benchmarks (recipes/prepare.py) and the frozen enco
 import pytest
 import torch
 
-import models.family as families
+import models.registry as families
 from convert.encoders import load_encoders
 from convert.latents import _text_columns
 from data.latent_dataset import LatentsDataset

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import CLIPTokenizer
 
-from models.tokenizer import MAX_LENGTH, build_tokenizer, tokenize
+from models.engine.tokenizer import MAX_LENGTH, build_tokenizer, tokenize
 
 
 def test_offline_clip_tokenizer_matches_open_clip():

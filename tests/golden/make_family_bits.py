@@ -31,14 +31,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from models.registry import FAMILIES
+
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).with_name("family-bits.json")
-RECIPES = {
-    "tiny": "tiny-cpu",
-    "sdxl-tiny": "tiny-sdxl-cpu",
-    "mmdit-tiny": "tiny-mmdit-cpu",
-    "flux-tiny": "tiny-flux-cpu",
-}
+# Every registered family's tiny preset -> its CPU recipe (the family's declaration: models/registry.py).
+RECIPES = {family.tiny: family.tiny_recipe for family in FAMILIES.values()}
 BATCHES = 3
 PROMPTS = ["a red circle", "a blue square"]
 SAMPLING = dict(guidance_scale=4.0, num_inference_steps=4, seed=3)

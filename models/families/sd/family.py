@@ -1,0 +1,33 @@
+"""Stable Diffusion 1.5 / 2 (family "sd"): a UNet on one CLIP text encoder, trained with DDPM."""
+
+from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from transformers import CLIPTextModel, CLIPTokenizer
+
+from models.engine.family import REQUIRED, Family
+from models.families.sd.model import StableDiffusion
+from models.families.sd.presets import PUBLISHED, SD
+from models.flop_count import unet_step_flops
+
+# Component name (diffusers' folder name) -> class, in the order a preset's random weights are drawn.
+COMPONENTS = dict(
+    unet=UNet2DConditionModel,
+    vae=AutoencoderKL,
+    text_encoder=CLIPTextModel,
+    tokenizer=CLIPTokenizer,
+    scheduler=DDPMScheduler,
+)
+
+FAMILY = Family(
+    "sd",
+    StableDiffusion,
+    COMPONENTS,
+    StableDiffusionPipeline,
+    unet_step_flops,
+    1,
+    "ddpm",
+    {"prediction_type": REQUIRED},
+    presets=SD,
+    tiny="tiny",
+    tiny_recipe="tiny-cpu",
+    published=PUBLISHED,
+)

@@ -1,0 +1,1 @@
+"""SDXL: a UNet on two CLIP text encoders with micro-conditioning (family "sdxl")."""
