@@ -1,4 +1,9 @@
-"""Stable Diffusion ComposerModel, its presets, and the builders a run config picks by preset name."""
+"""The models: `build(preset, **options)` is the ComposerModel a run config's `model:` section names.
+
+engine/ is what every family is made of, families/<name>/ one folder per family, registry.py the only
+list of them and of the presets; build.py and components.py build a run's model, checkpoints/ reads
+and writes it, export.py, generate.py and flops.py are the commands (docs/development.md has the tour).
+"""
 
 import compat.torchao  # noqa: F401  (first: quiets what importing torchao logs; compat/torchao.py)
 from models.autoencoder import Autoencoder, build_autoencoder
