@@ -74,17 +74,17 @@ FAST_TIER := not (fit or subprocess or server or heavy or slow)
 test-fast: install
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) -m "$(FAST_TIER)" --durations=10
 
-# The GPU path measured and checked (bench/gpu_check.py); exits with one line where there is no CUDA.
+# The GPU path measured and checked (bench/gpu/gpu_check.py); exits with one line where there is no CUDA.
 # In runs because a device call is capped at 10 minutes: `make gpu-check` (run 1: 256 px, the compiled
 # step against the eager one and a plain loop), PART=2 (train/save/resume bitwise/export), PART=3 (512 px),
 # PART=4-7 (each part).
 # `make gpu-check PRESET=sdxl-base` (or sd3-medium) measures that recipe's throughput instead;
-# PRESET=flux-schnell times Flux at reduced depth and extrapolates per block (bench/depth_extrapolation.py).
-# On a lent GPU machine (no network, no make install): bench/gpu_session.sh (docs/benchmarks.md, GPU figures).
+# PRESET=flux-schnell times Flux at reduced depth and extrapolates per block (bench/gpu/depth_extrapolation.py).
+# On a lent GPU machine (no network, no make install): bench/gpu/gpu_session.sh (docs/benchmarks.md, GPU figures).
 PRESET ?= sd2-base
 PART   ?= 1
 gpu-check: install
-	$(PY) bench/gpu_check.py --preset $(PRESET) $(if $(filter sd2-base,$(PRESET)),--run $(PART))
+	$(PY) bench/gpu/gpu_check.py --preset $(PRESET) $(if $(filter sd2-base,$(PRESET)),--run $(PART))
 
 bench: install
 	$(PY) bench/ema.py

@@ -4,7 +4,7 @@ width (host time per step, op counts, graph breaks, recompiles, compiled-against
 The UNet has sd2-base's blocks (4 levels, 2 ResNet + 2 transformer blocks a level, linear
 projections, SDPA, the same op count) at widths 32/64/128/128 on 8x8 latents; the VAE and text
 encoder are the tiny preset's, unused when batches are precomputed latents (8 channels: the VAE's
-mean and logvar) and 77x32 text embeddings. Shared by bench/host_overhead.py and the tests (tests
+mean and logvar) and 77x32 text embeddings. Shared by `bench/overhead.py host` and the tests (tests
 may import bench; library code does not).
 """
 

@@ -1,25 +1,26 @@
-"""The ceiling bench/gpu_check.py compares the training path with: a plain PyTorch loop over the
-recipe's model (plain_loop), and its row in gpu_check's table (plain_row, run 1's "plain" job); with
-the two helpers that row shares with gpu_check's throughput rows: Composer's peak for the GPU, which
-MFU is taken against (peak_flops), and a profile's headline numbers (add_profile).
+"""The ceiling the training path is compared with: a plain PyTorch loop over the recipe's model
+(plain_loop). `python bench/overhead.py ceiling` runs it alone; gpu-check's table has it as run 1's
+"plain" row (bench/gpu/rows.py, plain_row).
 """
 
-import json
 import time
-from pathlib import Path
-
-from bench.gpu_runs import PLAIN
-from bench.profile_summary import one_line
 
 
 def plain_loop(
-    preset: str, resolution: int, batch: int, steps: int = 20, warmup: int = 5, device="cuda", profile=None
+    preset: str,
+    resolution: int,
+    batch: int,
+    steps: int = 20,
+    warmup: int = 5,
+    device="cuda",
+    profile=None,
+    variant: str = "plain PyTorch loop",
 ):
     """(img/s, peak GB) of a plain PyTorch loop over the recipe's model, the ceiling the training
     path is compared with: recipes/reference_step.py's train_step (forward, loss, backward, fused
     AdamW), bf16 autocast on CUDA,
     on batches already on the device; no Composer, FSDP, callbacks or data loader. With `profile`
-    (a path), 3 more steps are profiled and summarised there (bench/profile_summary.py)."""
+    (a path), 3 more steps are profiled and summarised there (bench/profile_summary.py), named `variant`."""
     import torch
 
     from bench import profile_summary
@@ -64,52 +65,8 @@ def plain_loop(
         for _ in range(3):
             step()
         window.stop()
-        profile_summary.write(profile, window.summary(), variant=PLAIN, resolution=resolution, batch=batch)
+        profile_summary.write(profile, window.summary(), variant=variant, resolution=resolution, batch=batch)
     model = optimizer = data = None  # free the GPU for the next variants (own processes)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return img_s, peak
-
-
-def plain_row(out: Path, batches: int, microbatch: int) -> dict:
-    """The plain loop's row (sd2-base at 256 px, `batches` steps of `microbatch`), its profile in
-    OUT/profile-plain-loop-256.json."""
-    from models.flops import mfu, training_flops_per_image
-
-    profile = out / "profile-plain-loop-256.json"
-    img_s, peak = plain_loop("sd2-base", 256, microbatch, steps=batches, profile=profile)
-    flops = training_flops_per_image("sd2-base", 256)
-    row = {"variant": PLAIN, "resolution": 256, "microbatch": microbatch, "ok": True, "img_s": img_s,
-           "memory_gb": peak, "mfu": mfu(img_s, flops, peak_flops())}  # fmt: skip
-    add_profile(row, profile)
-    return row
-
-
-def add_profile(row: dict, path: Path) -> None:
-    """The profile's headline numbers into the row, and one line to the log."""
-    if not path.exists():
-        return
-    summary = json.loads(path.read_text())
-    row.update(
-        profile=str(path),
-        gpu_busy=summary["gpu_busy_fraction"],
-        launches=summary["kernel_launches_per_step"] + summary["cuda_graph_launches_per_step"],
-        syncs=summary["host_syncs_per_step"],
-    )
-    print(f"profile {row['variant']} at {row['resolution']} px: {one_line(summary)} -> {path}", flush=True)
-
-
-def peak_flops() -> float:
-    """Composer's bf16 peak for this GPU (SpeedMonitor's table), NaN for one it does not know."""
-    import torch
-
-    from compat.composer import GPU_AVAILABLE_FLOPS
-
-    name = torch.cuda.get_device_name().lower()
-    for chip in ("h200", "h100", "a100", "a10"):
-        if chip in name:
-            key = next(
-                k for k in GPU_AVAILABLE_FLOPS if k.startswith(chip) and ("pcie" in k) == ("pcie" in name)
-            )
-            return GPU_AVAILABLE_FLOPS[key].get("bf16") or float("nan")
-    return float("nan")

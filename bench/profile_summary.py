@@ -1,5 +1,5 @@
 """What torch.profiler saw over a few training steps, in a few numbers (bench/throughput.py --profile,
-bench/gpu_check.py's plain loop; gpu-check writes one JSON per variant beside its table).
+bench/gpu/gpu_check.py's plain loop; gpu-check writes one JSON per variant beside its table).
 
     {"steps": 3, "wall_ms_per_step": 181.2,
      "gpu_busy_fraction": 0.58,       # union of the GPU's kernel, memcpy and memset intervals / wall

@@ -12,7 +12,7 @@
 - `State.fsdp_enabled` (a property) walks every module of the model (`model.modules()`) to look for
   an FSDP wrapper, and `Trainer._train_batch` asks it once a batch for its automicrobatching
   bookkeeping: ~6 ms a batch on sd2-base's module count, measured on the CPU with
-  bench/host_overhead.py, on a step that is launch-bound on an H100. The Trainer wraps the model
+  `bench/overhead.py host`, on a step that is launch-bound on an H100. The Trainer wraps the model
   (FSDP, DDP) in its `__init__`, so the answer is fixed once it is built: `cache_fsdp_enabled`
   computes it then and the property answers from that value.
 - `collect_env.get_cpu_model`: `Trainer.__init__` calls `get_composer_env_dict()` to log Composer's
@@ -52,7 +52,7 @@
   writes, over the shard group).
 - Modules below the public API: `composer.algorithms.ema.ema` (EMAParameters, compute_ema: bench/ema.py
   compares against Composer's EMA update), `composer.callbacks.speed_monitor.GPU_AVAILABLE_FLOPS`
-  (bench/gpu_check.py's peak FLOPS table) and the modules `LPGroupNorm` / `LPLayerNorm` below
+  (bench/gpu/gpu_check.py's peak FLOPS table) and the modules `LPGroupNorm` / `LPLayerNorm` below
   `composer.algorithms.low_precision_{groupnorm,layernorm}` (tests check they are swapped in).
   These are imported on first use: `composer.algorithms` is not otherwise loaded by a run.
 """

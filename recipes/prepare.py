@@ -119,7 +119,7 @@ def prepare_random_latents(
     """Random precomputed latents shaped like `preset`'s (`convert latents` columns: VAE moments at
     each resolution and the stored form of a caption, whose names and shapes the family's conditioner
     gives (models/stored_form.py: the text context, a pooled vector, with `t5` an optional T5's
-    context); SDXL's micro-conditioning too), for GPU throughput and wiring checks (bench/gpu_check.py)
+    context); SDXL's micro-conditioning too), for GPU throughput and wiring checks (bench/gpu/gpu_check.py)
     where the data's content does not matter and a VAE pass would be wasted. Made once; safe when
     several ranks call it at once (as prepare_shapes_mds)."""
     import numpy as np

@@ -1,7 +1,7 @@
 """Kill a two-process tiny training run at seeded moments and check that every restart ends bitwise equal
 to the uninterrupted run (not part of `make test`: ~1 minute a kill on two shared cores).
 
-    python bench/resume_stress.py [--kills 20] [--seed 0] [--out DIR] [--keep] [--sharded]
+    python tests/resume_stress.py [--kills 20] [--seed 0] [--out DIR] [--keep] [--sharded]
 
 The run is the one the resume tests train (tests/resume_check.py: `composer -n 2` through
 tests/launch.py, the tiny recipe, 8 batches over two epochs, a checkpoint every batch, autoresume,

@@ -1,6 +1,6 @@
 """The kit for a lent GPU machine (docs/benchmarks.md, "GPU figures"), without one and without the
-network: bench/device_wheels.py's list pins the lock's versions and leaves the device's torch alone, its
-METADATA check flags an uncovered requirement, and bench/gpu_session.sh, run with a fake `python3`,
+network: bench/gpu/device_wheels.py's list pins the lock's versions and leaves the device's torch alone, its
+METADATA check flags an uncovered requirement, and bench/gpu/gpu_session.sh, run with a fake `python3`,
 installs the wheels, runs the preflight and gpu_check with their flags, and packs the results into
 $OUT when gpu_check fails, when the preflight fails, and when the call is stopped."""
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import device_wheels
+from bench.gpu import device_wheels
 
 REPO = Path(__file__).resolve().parents[1]
-SESSION = REPO / "bench/gpu_session.sh"
+SESSION = REPO / "bench/gpu/gpu_session.sh"
 
 
 def lock_pins() -> dict[str, str]:
@@ -82,7 +82,7 @@ def test_the_metadata_check_flags_what_is_neither_carried_on_the_device_nor_left
 
 
 def run_session(tmp_path: Path, *args: str, fail_preflight: bool = False, background: bool = False):
-    """bench/gpu_session.sh with a fake python3 that logs its arguments; as gpu_check it writes a table,
+    """bench/gpu/gpu_session.sh with a fake python3 that logs its arguments; as gpu_check it writes a table,
     its json, data and a checkpoint into --out and exits 1 (or, `background`, sleeps until stopped)."""
     fake_bin, wheels = tmp_path / "bin", tmp_path / "whl"
     fake_bin.mkdir()
@@ -93,7 +93,7 @@ def run_session(tmp_path: Path, *args: str, fail_preflight: bool = False, backgr
         """#!/bin/sh
 echo "python3 $*" >>"$FAKE_LOG"
 case " $* " in
-  *" bench/gpu_check.py "*)
+  *" bench/gpu/gpu_check.py "*)
     prev=""; for a in "$@"; do [ "$prev" = "--out" ] && out=$a; prev=$a; done
     mkdir -p "$out/latents" "$out/e2e-a"
     printf '# gpu-check (fake)\\n\\n| variant | px |\\n' >"$out/gpu-check-run1.md"
@@ -149,14 +149,14 @@ def test_session_packs_the_results_when_gpu_check_fails(tmp_path):
     install = next(c for c in calls if " -m pip install " in c)
     assert "--no-index --no-deps" in install and f"--target {tmp_path / 'site'}" in install
     assert install.endswith("pkg-1.0-py3-none-any.whl")
-    assert f"python3 bench/gpu_check.py --run 1 --out {tmp_path / 'results'} --budget 520" in calls
+    assert f"python3 bench/gpu/gpu_check.py --run 1 --out {tmp_path / 'results'} --budget 520" in calls
 
 
 @pytest.mark.subprocess
 def test_session_stops_before_gpu_check_when_the_preflight_fails(tmp_path):
     done = run_session(tmp_path, "2", fail_preflight=True)
     assert done.returncode == 3 and "PREFLIGHT FAILED" in done.stdout, done.stdout + done.stderr
-    assert "bench/gpu_check.py" not in (tmp_path / "calls.log").read_text()
+    assert "bench/gpu/gpu_check.py" not in (tmp_path / "calls.log").read_text()
     assert packed(tmp_path, run=2) == {"session-run2.log"}
 
 
@@ -176,11 +176,11 @@ def test_session_packs_what_gpu_check_wrote_when_it_is_stopped(tmp_path):
 
 @pytest.mark.subprocess
 def test_session_runs_a_presets_check_by_name(tmp_path):
-    """`bash bench/gpu_session.sh flux-schnell`: gpu_check's --preset (its depth job), packed under the
+    """`bash bench/gpu/gpu_session.sh flux-schnell`: gpu_check's --preset (its depth job), packed under the
     preset's name."""
     done = run_session(tmp_path, "flux-schnell")
     assert done.returncode == 1, done.stdout + done.stderr
     calls = (tmp_path / "calls.log").read_text().splitlines()
     results = tmp_path / "results"
-    assert f"python3 bench/gpu_check.py --preset flux-schnell --out {results} --budget 520" in calls
+    assert f"python3 bench/gpu/gpu_check.py --preset flux-schnell --out {results} --budget 520" in calls
     assert "gpu-check-flux-schnell.tgz" in os.listdir(tmp_path / "out")

@@ -1,6 +1,6 @@
-"""bench/gpu_check.py without a GPU: one clear line, every configuration it would run is a valid config
+"""bench/gpu/gpu_check.py without a GPU: one clear line, every configuration it would run is a valid config
 of its preset (so a GPU session does not spend its time on a typo), the e2e check's verdicts, the
-random latents and the plain-loop ceiling. Its runner, bench/gpu_runs.py: tests/test_gpu_runs.py."""
+random latents and the plain-loop ceiling. Its runner, bench/gpu/gpu_runs.py: tests/test_gpu_runs.py."""
 
 import importlib.util
 import json
@@ -16,11 +16,11 @@ from recipes import load_config, parse_config, prepare
 from recipes.prepare import prepare_sd2_latents
 from tests.conftest import REPO
 
-spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench/gpu_check.py")
+spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench/gpu/gpu_check.py")
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
-gpu_e2e = sys.modules["bench.gpu_e2e"]
-gpu_runs = sys.modules["bench.gpu_runs"]
+gpu_e2e = sys.modules["bench.gpu.gpu_e2e"]
+gpu_runs = sys.modules["bench.gpu.gpu_runs"]
 plain_loop = sys.modules["bench.plain_loop"]
 
 
@@ -168,7 +168,9 @@ def test_plain_loop_ceiling_trains_the_recipes_model(tmp_path):
     here on the tiny preset on the CPU, where it must report a positive rate and no GPU memory, and
     its profile no GPU activity."""
     profile = tmp_path / "profile.json"
-    img_s, peak = plain_loop.plain_loop("tiny", 32, batch=2, steps=2, warmup=1, device="cpu", profile=profile)
+    img_s, peak = plain_loop.plain_loop(
+        "tiny", 32, batch=2, steps=2, warmup=1, device="cpu", profile=profile, variant=gpu_runs.PLAIN
+    )
     assert img_s > 0 and peak is None
     summary = json.loads(profile.read_text())
     assert summary["variant"] == gpu_runs.PLAIN and summary["steps"] == 3

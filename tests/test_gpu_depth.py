@@ -1,4 +1,4 @@
-"""`make gpu-check PRESET=flux-schnell` without a GPU (bench/depth_extrapolation.py): the per-block
+"""`make gpu-check PRESET=flux-schnell` without a GPU (bench/gpu/depth_extrapolation.py): the per-block
 line is exact for the full model's FLOPs, the job runs on a CPU with a tiny preset, and gpu_check runs
 it as a job in its own process, reporting its row, its record for recipes.plan and the MFU anchor."""
 
@@ -13,11 +13,11 @@ from models.flops import training_flops_per_image
 from models.registry import of
 from tests.conftest import REPO
 
-spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench/gpu_check.py")
+spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench/gpu/gpu_check.py")
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
-depth = sys.modules["bench.depth_extrapolation"]
-gpu_runs = sys.modules["bench.gpu_runs"]
+depth = sys.modules["bench.gpu.depth_extrapolation"]
+gpu_runs = sys.modules["bench.gpu.gpu_runs"]
 
 # flux-tiny is 2 double + 4 single blocks: depths below it that separate the kinds, and a check.
 TINY_DEPTHS = [{"num_layers": d, "num_single_layers": s} for d, s in ((1, 1), (2, 1), (1, 3), (2, 3))]

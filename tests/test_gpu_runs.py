@@ -1,4 +1,4 @@
-"""bench/gpu_runs.py, gpu-check's run plan and job runner, without a GPU: its runs fit a device call
+"""bench/gpu/gpu_runs.py, gpu-check's run plan and job runner, without a GPU: its runs fit a device call
 (each variant in one run, the estimates within the budget), jobs are skipped or stopped at the
 budget's end with everything they started, the results are rewritten after every job, and the best
 result per size survives later runs."""
@@ -18,10 +18,10 @@ import torch
 import models.flops
 from tests.conftest import REPO
 
-spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench/gpu_check.py")
+spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench/gpu/gpu_check.py")
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
-gpu_runs = sys.modules["bench.gpu_runs"]
+gpu_runs = sys.modules["bench.gpu.gpu_runs"]
 
 
 def fake_jobs(monkeypatch, tmp_path, ran: list, seconds: dict | None = None, clock: list | None = None):

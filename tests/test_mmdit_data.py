@@ -214,7 +214,7 @@ def test_a_folder_with_t5_stores_its_context(shapes_mds, tmp_path):
 
 
 def test_random_sd3_latents_have_what_sd3_medium_reads(tmp_path):
-    """`data.train.prepare: sd3-latents` (bench/gpu_check.py's data): 16-channel moments at 256 and
+    """`data.train.prepare: sd3-latents` (bench/gpu/gpu_check.py's data): 16-channel moments at 256 and
     512 px, the unpadded CLIP context and the pooled vector; a training forward of sd3-medium (on the
     meta device: shapes only) takes a batch of them, and T5's context when asked for."""
     assert PREPARERS["sd3-latents"] is prepare_sd3_latents

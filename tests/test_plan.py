@@ -363,7 +363,7 @@ def test_throughput_benchmark_writes_what_the_planner_reads(shapes_mds, tmp_path
         "1",
         "--out",
         str(out),
-        "callbacks.memory_monitor=null",  # overrides may also follow the options (bench/gpu_check.py)
+        "callbacks.memory_monitor=null",  # overrides may also follow the options (bench/gpu/gpu_check.py)
     ]
     args += ["--data", str(shapes_mds / "mds")]  # an existing folder: the bench makes none
     monkeypatch.chdir(tmp_path)

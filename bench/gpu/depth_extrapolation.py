@@ -1,8 +1,8 @@
 """A preset too large for one GPU, timed at its full width and reduced depth and extrapolated per
-block: `make gpu-check PRESET=flux-schnell`'s job (bench/gpu_check.py runs this file in its own
+block: `make gpu-check PRESET=flux-schnell`'s job (bench/gpu/gpu_check.py runs this file in its own
 process, `depth_row`).
 
-    python bench/depth_extrapolation.py --preset flux-schnell --resolution 256 --batch 16 \
+    python bench/gpu/depth_extrapolation.py --preset flux-schnell --resolution 256 --batch 16 \
         --depths num_layers=1,num_single_layers=2 num_layers=3,num_single_layers=2 ... --out R.json
 
 Why not the whole model: flux-schnell's transformer has 11.9 B parameters; AdamW with fp32 weights,
@@ -36,9 +36,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if __name__ == "__main__":  # run as a script (gpu_check's job): the repo, not bench/, whose convert.py
-    sys.path[0] = str(REPO)  # would shadow the convert package
+REPO = Path(__file__).resolve().parents[2]
+if __name__ == "__main__":  # run as a script (gpu_check's job): the repo, not bench/gpu/, on the path
+    sys.path[0] = str(REPO)  # (bench/ on it would let bench/convert.py shadow the convert package)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -179,7 +179,7 @@ def measure(preset, resolution, batch, depths, steps, warmup=WARMUP, device="cud
     cuda = torch.device(device).type == "cuda"
     peak_flops = None
     if cuda:
-        from bench.plain_loop import peak_flops as device_peak
+        from bench.gpu.rows import peak_flops as device_peak
 
         peak_flops = device_peak()
     device_name = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
@@ -213,7 +213,7 @@ def depth_row(out: Path, resolution: int, name: str, batches: int, target: dict,
     OUT/throughput-PRESET-PX.json) and its log beside it."""
     import os
 
-    from bench.gpu_runs import run_group
+    from bench.gpu.gpu_runs import run_group
 
     spec, micro = target["depth"], target["microbatch"][resolution]
     result = out / f"depth-{spec['preset']}-{resolution}px.json"

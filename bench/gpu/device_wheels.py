@@ -1,11 +1,11 @@
-"""The wheels a lent GPU machine needs to run `make gpu-check` (bench/gpu_session.sh), fetched here.
+"""The wheels a lent GPU machine needs to run `make gpu-check` (bench/gpu/gpu_session.sh), fetched here.
 
-    python bench/device_wheels.py [--dest .whl] [--check]
+    python bench/gpu/device_wheels.py [--dest .whl] [--check]
 
 That machine (/work/.library/device: KINDS.md, README.md) has no network and no python3.11: its own
 Python 3.12 holds torch 2.11.0+cu130, torchvision 0.26, transformers 5.17, tokenizers 0.23.2,
 huggingface_hub 1.33, torchmetrics 1.9.0, numpy 2.5.2 and ~190 other packages (DEVICE_PACKAGES), not
-our stack. bench/gpu_session.sh installs the wheels this script leaves in `.whl/` (git-ignored through
+our stack. bench/gpu/gpu_session.sh installs the wheels this script leaves in `.whl/` (git-ignored through
 .git/info/exclude; the device call carries it) with `pip install --no-deps --target /tmp/site`, beside
 the machine's own torch, the way the 2026-11-24 H100 run did it by hand. Our lock's torch 2.14.1 is
 the same CUDA 13.0 build family as the device's 2.11.0+cu130, so the kit still carries no torch; a
@@ -16,7 +16,7 @@ at requirements-lock.txt's version (tests/test_device_kit.py checks that): cp312
 pure-python wheels, downloaded with `pip download --no-deps --only-binary=:all:` for that interpreter;
 antlr4-python3-runtime 4.9.3 has only an sdist on the registry and is built here into a pure-python
 wheel (SDIST_ONLY). The list was drawn from the lock and checked two ways: importing our path
-(bench/gpu_check.py, bench/throughput.py, train.py, models.export, composer's launcher, diffusers'
+(bench/gpu/gpu_check.py, bench/throughput.py, train.py, models.export, composer's launcher, diffusers'
 pipeline) in the local python3.11 venv with every package the device lacks and this list leaves out
 made unimportable (sys.modules[name] = None): it imports; and, each time this script runs, reading
 every carried wheel's METADATA Requires-Dist (markers evaluated for CPython 3.12 on x86-64 Linux):
@@ -45,7 +45,7 @@ from pathlib import Path
 from packaging.requirements import Requirement  # in .venv (run this script with .venv/bin/python)
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOCK = REPO / "requirements-lock.txt"
 OVERRIDES = REPO / "requirements-overrides.txt"  # pins our engine declares and make install lifts
 CARRY_LIMIT_MIB = 64  # the device tool's cap on what travels: the working tree, shared/ and carried paths

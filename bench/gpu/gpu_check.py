@@ -1,12 +1,12 @@
 """`make gpu-check`: the GPU path of yamls/sd2-base.yaml, measured and checked, in runs that each fit
 one device call of at most 10 minutes (a GPU machine is lent rarely, for 15 minutes in all).
 
-    python bench/gpu_check.py [--run 1..7] [--budget 520] [--out runs/gpu-check]
-    python bench/gpu_check.py [--parts throughput e2e ema] [--variants TEXT ...] [--resolutions 256 512]
+    python bench/gpu/gpu_check.py [--run 1..7] [--budget 520] [--out runs/gpu-check]
+    python bench/gpu/gpu_check.py [--parts throughput e2e ema] [--variants TEXT ...] [--resolutions 256 512]
                               [--quick] [--deterministic] [--preset sd2-base|sdxl-base|sd3-medium]
-    python bench/gpu_check.py --preset flux-schnell    # `make gpu-check PRESET=flux-schnell`, ~2 min
+    python bench/gpu/gpu_check.py --preset flux-schnell    # `make gpu-check PRESET=flux-schnell`, ~2 min
 
-RUNS (bench/gpu_runs.py; `make gpu-check` is run 1, `make gpu-check PART=2` run 2, ...), each job in
+RUNS (bench/gpu/gpu_runs.py; `make gpu-check` is run 1, `make gpu-check PART=2` run 2, ...), each job in
 its own process (a `composer -n GPUS` per variant), in order, cheapest and most certain first, with its
 estimated seconds on one H100 (ESTIMATE_S), within a budget of 520 s (a device call's 600 s less
 installing the carried wheels, the preflight and packing the results). The recipe's step is FULL
@@ -49,12 +49,13 @@ OUT/tp-PX-K.json and .log (K: the next number free of both). The best per size g
 OUT/throughput-256.json / -512.json, which `recipes.plan --throughput-file` reads, unless the file
 holds a faster one of the same recipe on the same device (an earlier run's: runs 1 and 4-7 all time
 256 px).
-plain: bench/plain_loop.py (the recipe's model in a bare PyTorch loop on 1 GPU: the ceiling).
-depth (`--preset flux-schnell`, its only job): bench/depth_extrapolation.py, the 11.9 B transformer at
+plain: bench/plain_loop.py (the recipe's model in a bare PyTorch loop on 1 GPU: the ceiling; its row:
+bench/gpu/rows.py).
+depth (`--preset flux-schnell`, its only job): bench/gpu/depth_extrapolation.py, the 11.9 B transformer at
 full width and reduced depth on one GPU (FLUX_DEPTHS), extrapolated per block to the full model's step
 time, img/s and MFU (against torchtitan's 26.1%), and its unsharded peak memory; its record in
 OUT/depth-flux-schnell-256px.json, and as the best, OUT/throughput-flux-schnell-256.json for recipes.plan.
-e2e: bench/gpu_e2e.py (train, save, resume, export, generate; bitwise with --deterministic).
+e2e: bench/gpu/gpu_e2e.py (train, save, resume, export, generate; bitwise with --deterministic).
 ema: the EMA's storage variants (fp32 on the GPU, bf16, CPU offload) give the same average.
 --variants, --parts, --resolutions or --quick, and the other presets (`--preset sdxl-base`: its
 SDXL_VARIANTS at 512 and 1024 px; `sd3-medium`: SD3_VARIANTS at 256 and 512), select the jobs
@@ -71,12 +72,12 @@ import time
 from pathlib import Path
 
 START = time.monotonic()  # --budget counts from here: before torch's import, CUDA's start and gpus()
-REPO = Path(__file__).resolve().parents[1]
-sys.path[0] = str(REPO)  # not bench/: its convert.py would shadow the convert package
+REPO = Path(__file__).resolve().parents[2]
+sys.path[0] = str(REPO)  # not bench/gpu/: `bench.gpu.*`, `models`, ... import from the repo
 
-from bench.depth_extrapolation import depth_row  # noqa: E402
-from bench.gpu_e2e import DATA  # noqa: E402 (after the path fix)
-from bench.gpu_runs import (  # noqa: E402
+from bench.gpu.depth_extrapolation import depth_row  # noqa: E402
+from bench.gpu.gpu_e2e import DATA  # noqa: E402 (after the path fix)
+from bench.gpu.gpu_runs import (  # noqa: E402
     BASE,
     BUDGET_S,
     COMPILED_STEP,
@@ -88,7 +89,7 @@ from bench.gpu_runs import (  # noqa: E402
     custom_jobs,
     run_and_report,
 )
-from bench.plain_loop import add_profile, peak_flops, plain_row  # noqa: E402
+from bench.gpu.rows import add_profile, peak_flops, plain_row  # noqa: E402
 
 ANCHORS = {  # img/s per GPU to reach, and where the number comes from
     256: (440.0, "MosaicML's 23.8% MFU on A100 carried to H100"),
@@ -146,7 +147,7 @@ SD3_VARIANTS = {
     "compile": ["model.compile_unet=true"],
     "rank draws (not per sample)": ["model.train_draws=rank"],  # what the recipe's per-sample draws cost
 }
-# Flux at full width and reduced depth (bench/depth_extrapolation.py: why, and why the extrapolation
+# Flux at full width and reduced depth (bench/gpu/depth_extrapolation.py: why, and why the extrapolation
 # per block is fair): the depths timed, 1 or 3 double-stream and 2 or 6 single-stream blocks (the
 # first three fix the line, the fourth checks it); the largest, 1.9 B parameters with AdamW's fp32 state
 # (~30 GB) and its activations at microbatch 16, fits an 80 GB H100 (estimated, not yet measured).
@@ -156,7 +157,7 @@ FLUX_DEPTHS = [
 DEPTH_JOB = "full depth, extrapolated per block (peak GB: the full model's, unsharded)"
 # What `--preset` measures: its recipe, random latents (recipes/prepare.py), microbatch per
 # resolution, variants and anchors (img/s per GPU and where the number comes from; none public for SDXL);
-# or, with `depth`, the depth job alone at each resolution (no recipe: bench/depth_extrapolation.py).
+# or, with `depth`, the depth job alone at each resolution (no recipe: bench/gpu/depth_extrapolation.py).
 TARGETS = {
     "sd2-base": dict(recipe="yamls/sd2-base.yaml", data="sd2-latents", microbatch=MICROBATCH,
                      variants=VARIANTS, anchors=ANCHORS),

@@ -1,5 +1,5 @@
 """gpu-check's end-to-end part: the real yamls/sd2-base.yaml trains, saves, resumes, exports and
-generates on the GPUs at hand (bench/gpu_check.py --parts e2e).
+generates on the GPUs at hand (bench/gpu/gpu_check.py --parts e2e).
 
 Run A trains 50 batches and saves at 25 and 50; run B starts from A's batch-25 checkpoint and
 trains to 50. On the CPU the resume is bitwise (tests/test_resume.py). On a GPU the backward pass
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = ["data.train.prepare=sd2-latents", "data.train.latents=true", "data.train.num_workers=4"]
 RESUME_AT, BATCHES = 25, 50
 LOSS_TOLERANCE = 1e-3  # relative; the kernels' noise after 25 batches is ~1e-5, a resume bug ~1e-2

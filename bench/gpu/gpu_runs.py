@@ -1,4 +1,4 @@
-"""The run plan of bench/gpu_check.py and what runs it (its docstring says why the runs are as they are).
+"""The run plan of bench/gpu/gpu_check.py and what runs it (its docstring says why the runs are as they are).
 
 RUNS: the jobs of each device call (`make gpu-check PART=N`), with each job's estimated seconds
 (ESTIMATE_S, estimate); custom_jobs: the jobs --variants, --parts, --resolutions, --quick or another
@@ -8,8 +8,8 @@ its estimate or the budget's end (composer, run_group); run 3's 512 px variant i
 (best_variant); the fastest variant per size goes to OUT/throughput[-PRESET]-PX.json, unless an
 earlier run's there is faster (write_best); after every job OUT/STEM.md (the table) and .json are
 rewritten. gpu_check hands in the variants' overrides (`target`: its TARGETS entry for the preset) and
-rows (`measure`: its throughput, bench/plain_loop.py's ceiling, bench/depth_extrapolation.py's depth
-job for a preset too large for one GPU); the checks are bench/gpu_e2e.py's."""
+rows (`measure`: its throughput, bench/plain_loop.py's ceiling, bench/gpu/depth_extrapolation.py's depth
+job for a preset too large for one GPU); the checks are bench/gpu/gpu_e2e.py's."""
 
 import contextlib
 import json
@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gpu_e2e import part_e2e, part_ema
+from bench.gpu.gpu_e2e import part_e2e, part_ema
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # The jobs' names: the variants the plan is built around (gpu_check's VARIANTS: their overrides),
 # the plain loop, run 1's best carried to 512 px, and the two checks.
@@ -51,7 +51,7 @@ RUNS = {
 # recipe's step added 113-124 s; the plain loop 21 s. e2e: 330 s measured eager on 2026-11-24, plus a
 # cold compile in run A and a warm one (inductor's cache, same shapes) in run B, a guess of 60 s.
 ESTIMATE_S = {256: 90, 512: 90, 1024: 150, "compile": 125, "plain": 30, "e2e": 330 + 125 + 60, "ema": 45}
-# The depth job (bench/depth_extrapolation.py, flux-schnell): a guess, not measured: ~20 s of imports,
+# The depth job (bench/gpu/depth_extrapolation.py, flux-schnell): a guess, not measured: ~20 s of imports,
 # ~15 s counting the full model's FLOPs on the meta device, 4 depths of ~15 s (building up to 1.9 B
 # parameters on the GPU, 23 steps of up to ~0.3 s).
 ESTIMATE_S["depth"] = 120

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One device call of `make gpu-check` on a lent GPU machine, which has no network and no `make install`
-# (docs/benchmarks.md, "GPU figures"). Here first: `.venv/bin/python bench/device_wheels.py` (fills .whl/); then
+# (docs/benchmarks.md, "GPU figures"). Here first: `.venv/bin/python bench/gpu/device_wheels.py` (fills .whl/); then
 # the device tool's command, with carry [".whl"] and timeout_s 600:
 #
-#     bash bench/gpu_session.sh [RUN]      # RUN: one of bench/gpu_runs.py RUNS, 1 by default
-#     bash bench/gpu_session.sh flux-schnell   # or a preset: `gpu_check.py --preset PRESET` (~2 min)
+#     bash bench/gpu/gpu_session.sh [RUN]      # RUN: one of bench/gpu/gpu_runs.py RUNS, 1 by default
+#     bash bench/gpu/gpu_session.sh flux-schnell   # or a preset: `gpu_check.py --preset PRESET` (~2 min)
 #
 # 1. installs .whl/*.whl into /tmp/site (--no-deps, beside the machine's own torch), PYTHONPATH=/tmp/site:REPO;
 # 2. a preflight (~10 s): our stack imports from /tmp/site, CUDA is there, versions; stops here if not;
-# 3. python3 bench/gpu_check.py --run RUN (or --preset PRESET) --out /tmp/gpu-check --budget 520 (its data
+# 3. python3 bench/gpu/gpu_check.py --run RUN (or --preset PRESET) --out /tmp/gpu-check --budget 520 (its data
 #    and checkpoints stay in /tmp/gpu-check; 520 s leaves the 600 s call room for steps 1, 2 and 4: 3 s,
 #    16-26 s and a few s on 2026-11-26);
 # 4. packs the results (tables, json, profiles, logs, the e2e image; no data, no checkpoints) into
@@ -27,10 +27,10 @@ set -u -o pipefail
 RUN=${1:-1}
 if [[ "$RUN" =~ ^[0-9]+$ ]]; then
   CHECK=(--run "$RUN") STEM=gpu-check-run$RUN
-else # a preset (bench/gpu_check.py TARGETS)
+else # a preset (bench/gpu/gpu_check.py TARGETS)
   CHECK=(--preset "$RUN") STEM=gpu-check-$RUN
 fi
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$REPO" || exit 2
 PY=${PY:-python3}
 WHEELS=${KIT_WHEELS:-$REPO/.whl}
@@ -68,7 +68,7 @@ finish() {
 stopped() {
   echo "gpu_session: stopped by a signal: stopping gpu_check, packing what it wrote"
   if [ -n "$child" ]; then
-    kill -TERM "$child" 2>/dev/null # its handler kills the job in flight (bench/gpu_runs.py run_group)
+    kill -TERM "$child" 2>/dev/null # its handler kills the job in flight (bench/gpu/gpu_runs.py run_group)
     for _ in $(seq 40); do kill -0 "$child" 2>/dev/null || break; sleep 0.5; done
     kill -KILL "$child" 2>/dev/null
   fi
@@ -81,7 +81,7 @@ echo "gpu_session: run $RUN, $(date -u +%FT%TZ), results in $RESULTS, budget ${B
 shopt -s nullglob
 wheels=("$WHEELS"/*.whl)
 if [ ${#wheels[@]} -eq 0 ]; then
-  echo "gpu_session: no wheels in $WHEELS: run '.venv/bin/python bench/device_wheels.py' on the development machine and carry .whl"
+  echo "gpu_session: no wheels in $WHEELS: run '.venv/bin/python bench/gpu/device_wheels.py' on the development machine and carry .whl"
   exit 2
 fi
 stamp=$(printf '%s\n' "${wheels[@]##*/}" | sha256sum | cut -c1-16)
@@ -123,16 +123,16 @@ import tokenizers
 import torchmetrics
 import transformers
 from composer.cli import launcher  # noqa: F401 (gpu_check's `composer -n`)
-from diffusers import StableDiffusionPipeline  # noqa: F401 (bench/gpu_e2e.py)
+from diffusers import StableDiffusionPipeline  # noqa: F401 (bench/gpu/gpu_e2e.py)
 
-import bench.gpu_check  # noqa: F401
+import bench.gpu.gpu_check  # noqa: F401
 import bench.throughput  # noqa: F401
 import extensions.ema  # noqa: F401
 import models.export  # noqa: F401
 import recipes.plan  # noqa: F401
 import train  # noqa: F401
-from models.presets import build_components  # noqa: F401
-from models.tokenizer import default_bpe
+from models.components import build_components  # noqa: F401
+from models.engine.tokenizer import default_bpe
 
 carried = (composer, diffusers, huggingface_hub, hydra, omegaconf, peft, streaming, tokenizers, torchmetrics,
            transformers)  # fmt: skip
@@ -157,7 +157,7 @@ try:  # the carried wheels' declared ranges against what imports here (informati
                 continue
             if not req.specifier.contains(have, prereleases=True):
                 outside.append(f"{dist.metadata['Name']} needs {req}, has {have}")
-    print("declared, not installed (bench/device_wheels.py LEFT_OUT):", ", ".join(sorted(absent)) or "none")
+    print("declared, not installed (bench/gpu/device_wheels.py LEFT_OUT):", ", ".join(sorted(absent)) or "none")
     print("declared range not met:", "; ".join(outside) or "none")
 except Exception as err:  # noqa: BLE001 - only a report
     print(f"(range check skipped: {err})")
@@ -172,7 +172,7 @@ sys.exit(1 if problems else 0)
 PREFLIGHT
 preflight=$?
 if [ $preflight -ne 0 ]; then
-  echo "gpu_session: PREFLIGHT FAILED (exit $preflight, above): nothing measured; fix the kit (bench/device_wheels.py)"
+  echo "gpu_session: PREFLIGHT FAILED (exit $preflight, above): nothing measured; fix the kit (bench/gpu/device_wheels.py)"
   exit 3
 fi
 
@@ -191,6 +191,6 @@ fi
 ) >/dev/null 2>&1 &
 packer=$!
 
-"$PY" bench/gpu_check.py "${CHECK[@]}" --out "$RESULTS" --budget "$BUDGET" &
+"$PY" bench/gpu/gpu_check.py "${CHECK[@]}" --out "$RESULTS" --budget "$BUDGET" &
 child=$!
 wait "$child"
