@@ -44,8 +44,7 @@ def plain_loop(
     )
 
     def step():  # the recipe's step as a plain loop writes it (recipes/reference_step.py), no EMA
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            train_step(model, data, optimizer)
+        train_step(model, data, optimizer, precision="amp_bf16")  # bf16 autocast on CUDA
 
     for _ in range(warmup):
         step()

@@ -5,7 +5,8 @@ Composer adds around it: the time bookkeeping and checkpoints, the callbacks (Na
 memory monitors, sample grids), loggers, evaluation, and the process group and samplers of several
 processes. The step itself is this; `tests/test_reference_step.py` checks that it gives the Composer
 path's losses, weights and EMA average bit for bit, for a DDPM and a rectified-flow recipe, with bf16
-weights, gradient clipping and two microbatches; `bench/plain_loop.py` times it against the Trainer.
+weights, gradient clipping and two microbatches; `python bench/overhead.py ceiling` (bench/plain_loop.py)
+times it against the Trainer.
 
 Every family runs the same step; what differs is behind the model's own methods (its latent scaling,
 its text condition, its denoiser call) and its objective (models/engine/objectives.py: DDPM or

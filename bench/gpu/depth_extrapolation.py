@@ -114,8 +114,7 @@ def time_depth(preset, depth, resolution, batch, steps, warmup=WARMUP, device="c
     cuda = device.type == "cuda"
 
     def step():
-        with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
-            train_step(model, data, optimizer)
+        train_step(model, data, optimizer, precision="amp_bf16")  # bf16 autocast on CUDA
 
     for _ in range(warmup):
         step()
