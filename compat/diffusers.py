@@ -11,13 +11,21 @@ may move between releases:
 - `models.resnet.ResnetBlock2D`: a UNet block FSDP wraps as a unit (models/training/sharding.py, with the
   public `diffusers.Transformer2DModel`).
 - `utils.convert_state_dict_to_diffusers`: PEFT LoRA weights in diffusers' naming (models/training/lora.py).
+- `utils.convert_state_dict_to_kohya`: PEFT LoRA weights of a UNet in kohya's naming
+  (models/families/sd/lora_layout.py), and `utils.convert_unet_state_dict_to_peft`: a LoRA file's
+  UNet names, as a pipeline's lora_state_dict reads them, back in peft's (models/training/lora_layouts.py),
+  as diffusers' own loader does before it adds the adapter.
 """
 
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.models.resnet import ResnetBlock2D
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
-from diffusers.utils import convert_state_dict_to_diffusers
+from diffusers.utils import (
+    convert_state_dict_to_diffusers,
+    convert_state_dict_to_kohya,
+    convert_unet_state_dict_to_peft,
+)
 
 __all__ = [
     "Attention",
@@ -26,5 +34,7 @@ __all__ = [
     "DiagonalGaussianDistribution",
     "ResnetBlock2D",
     "convert_state_dict_to_diffusers",
+    "convert_state_dict_to_kohya",
+    "convert_unet_state_dict_to_peft",
     "rescale_noise_cfg",
 ]

@@ -8,6 +8,16 @@ CHECKPOINT is a checkpoint file (`ep0-ba200-rank0.pt`, `latest-rank0.pt`) or a s
 checkpoint folder (`ep0-ba200/`, read on one process whatever the number of ranks that wrote it:
 models/checkpoints/sharded_checkpoint.py); a LoRA run's checkpoint exports with `--lora` or `--merge-lora`.
 
+`--lora` writes the adapter alone, in the two layouts LoRA files travel in, side by side in OUT_DIR:
+pytorch_lora_weights.safetensors (diffusers / peft: `Pipeline.load_lora_weights(OUT_DIR)`) and
+OUT_DIR's name + `_kohya.safetensors` (kohya / ComfyUI: ComfyUI's models/loras, AUTOMATIC1111, kohya's
+tools; diffusers' load_lora_weights(FILE) reads it too). Both, always, with no flag to choose: the
+files are megabytes, the user need not know at export time which tool will load the adapter, and
+diffusers' load_lora_weights(OUT_DIR) picks its own file by name. Each is read back with diffusers and
+compared with the adapter before it is put in place (models/training/lora_layouts.py); a failed check
+ends the export with one line and writes nothing. A model that has no kohya layout diffusers reads
+back (SD3; a Flux of other widths than FLUX.1's) gets diffusers' file alone, and the export says why.
+
 A checkpoint carries its model record (models/checkpoints/record.py: model family, component configs, noise
 schedule, prediction type, zero-terminal SNR, latent scale, preset), and that exact model is rebuilt;
 a `--preset` or `--prediction-type` that contradicts it is an error. Checkpoints written before the
@@ -52,6 +62,7 @@ from accelerate import init_empty_weights
 import models.registry as families
 from models.build import bundled_tokenizers
 from models.checkpoints.checkpoint_file import (
+    LORA_FILE,
     CheckpointError,
     ema_state,
     master_state,
@@ -67,6 +78,7 @@ from models.families.sd.model import StableDiffusion
 from models.out_dir import WriteError, check_out_dir, written_into_place
 from models.registry import PRESETS
 from models.training.lora import merge_lora, save_lora
+from models.training.lora_layouts import LayoutCheckError, save_kohya
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +301,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("out_dir", help="folder to write the diffusers pipeline to")
     add_weight_args(parser)
     lora = parser.add_mutually_exclusive_group()
-    lora.add_argument("--lora", action="store_true", help="LoRA run: write diffusers' LoRA file only")
+    lora.add_argument(
+        "--lora",
+        action="store_true",
+        help="LoRA run: the adapter alone, in diffusers' layout and kohya / ComfyUI's (each checked)",
+    )
     lora.add_argument("--merge-lora", action="store_true", help="LoRA run: a full pipeline, adapter merged")
     return parser.parse_args(argv)
 
@@ -322,7 +338,7 @@ def add_weight_args(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    with one_line_errors(PROG, FileExistsError, WriteError):
+    with one_line_errors(PROG, FileExistsError, WriteError, LayoutCheckError):
         export(args)
 
 
@@ -338,11 +354,16 @@ def export(args: argparse.Namespace) -> None:
             )
     elif args.lora:
         family = families.of_model(model)
-        pipeline_class = family.pipeline
         out_dir = Path(args.out_dir)
         with written_into_place(out_dir) as tmp:
-            save_lora(model.denoiser, tmp, pipeline_class, family.denoiser)
-        print(f"LoRA weights: {out_dir.resolve()} ({pipeline_class.__name__}.load_lora_weights loads it)")
+            save_lora(model.denoiser, tmp, family.pipeline, family.denoiser)
+            kohya, why_not = save_kohya(model.denoiser, tmp, family, out_dir.resolve().name)
+        print(f"LoRA weights: {out_dir.resolve()}")
+        print(f"  {LORA_FILE}: diffusers / peft layout ({family.pipeline.__name__}.load_lora_weights(DIR))")
+        if kohya is not None:
+            print(f"  {kohya.name}: kohya / ComfyUI layout (ComfyUI, AUTOMATIC1111, kohya, diffusers)")
+        else:
+            print(f"  no kohya / ComfyUI file: {why_not}")
         return
     elif args.merge_lora:
         merge_lora(model.denoiser)

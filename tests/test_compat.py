@@ -137,6 +137,8 @@ RELIED_ON = [
         ("noise_cfg", "noise_pred_text", "guidance_rescale"),
     ),
     ("diffusers.utils", "convert_state_dict_to_diffusers", ("state_dict",)),
+    ("diffusers.utils", "convert_state_dict_to_kohya", ("state_dict",)),
+    ("diffusers.utils", "convert_unet_state_dict_to_peft", ("state_dict",)),
 ]
 
 

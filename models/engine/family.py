@@ -30,6 +30,11 @@ OPTIONAL = ("text_encoder_3", "tokenizer_3")
 README = "README.md"
 
 
+class LayoutUnavailable(ValueError):
+    """A LoRA layout cannot hold this adapter in a form diffusers reads back (a family's `lora_kohya`
+    raises it: a module the layout has no place for, widths its reader does not split at)."""
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family. `options`: the model class's keywords (besides its components) that the
@@ -66,6 +71,11 @@ class Family:
     # `model.lora`'s default target modules: the denoiser's layers diffusers' own LoRA scripts train
     # (train_text_to_image_lora.py and its SDXL twin: the attention projections; models/training/lora.py).
     lora_targets: tuple[str, ...] = ("to_k", "to_q", "to_v", "to_out.0")
+    # The kohya / ComfyUI layout of the denoiser's LoRA (the family folder's lora_layout.py), which
+    # models.export --lora writes beside diffusers' file: (peft state dict, alpha, denoiser) -> the
+    # layout's tensors, or LayoutUnavailable; None: the family has none that diffusers reads back
+    # (models/training/lora_layouts.py).
+    lora_kohya: Callable | None = None
     # Preset name -> its configs (the family folder's presets.py); models.registry.PRESETS joins them.
     presets: dict = field(default_factory=dict)
     # The toy-sized preset and its CPU recipe (yamls/<tiny_recipe>.yaml) that the conformance suite,

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from models.checkpoints.checkpoint_file import LORA_FILE
+
 
 def base_components(preset: str) -> list[str]:
     """The networks a LoRA run of `preset` must load from its base folder: every one the family always
@@ -95,19 +97,30 @@ def lora_state_dict(denoiser) -> dict[str, torch.Tensor]:
 def save_lora(denoiser, out_dir: str | Path, pipeline_class=None, name: str = "unet") -> Path:
     """diffusers' LoRA file (pytorch_lora_weights.safetensors, with rank/alpha metadata), written by
     `pipeline_class.save_lora_weights` (StableDiffusionPipeline by default) under the denoiser's
-    component `name` ("unet" or "transformer"), so that the same class's load_lora_weights reads it."""
+    component `name` ("unet" or "transformer"), so that the same class's load_lora_weights reads it.
+    Written under a temporary name and put in place once that class's lora_state_dict reads the
+    adapter back from it (models/training/lora_layouts.py check_lora_file; LayoutCheckError if not)."""
+    from common.atomic import atomic_path
+    from models.training.lora_layouts import LayoutCheckError, adapter, check_lora_file
+
     if pipeline_class is None:
         from diffusers import StableDiffusionPipeline as pipeline_class
 
     out_dir = Path(out_dir)
-    pipeline_class.save_lora_weights(
-        out_dir,
-        safe_serialization=True,
-        **{
-            f"{name}_lora_layers": lora_state_dict(denoiser),
-            f"{name}_lora_adapter_metadata": denoiser.peft_config["default"].to_dict(),
-        },
-    )
+    with atomic_path(out_dir / LORA_FILE) as tmp:
+        pipeline_class.save_lora_weights(
+            out_dir,
+            weight_name=tmp.name,
+            safe_serialization=True,
+            **{
+                f"{name}_lora_layers": lora_state_dict(denoiser),
+                f"{name}_lora_adapter_metadata": denoiser.peft_config["default"].to_dict(),
+            },
+        )
+        try:
+            check_lora_file(tmp, pipeline_class, name, *adapter(denoiser))
+        except LayoutCheckError as error:
+            raise LayoutCheckError(f"{LORA_FILE} (diffusers layout) was not written: {error}") from None
     return out_dir
 
 

@@ -6,6 +6,7 @@ from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokeniz
 
 from models.engine.family import FLOW_OPTIONS, REQUIRED, Family
 from models.families.flux.folder import save_flux_folder
+from models.families.flux.lora_layout import flux_kohya
 from models.families.flux.model import Flux
 from models.families.flux.presets import FLUX, PUBLISHED
 from models.families.flux.reference_init import reference_init
@@ -51,6 +52,7 @@ FAMILY = Family(
         "ff_context.net.0.proj",
         "ff_context.net.2",
     ),
+    lora_kohya=flux_kohya,  # kohya sd-scripts' FLUX.1 layout (lora_layout.py)
     presets=FLUX,
     tiny="flux-tiny",
     tiny_recipe="tiny-flux-cpu",

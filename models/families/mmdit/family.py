@@ -63,6 +63,10 @@ FAMILY = Family(
     guidance_rescale=False,
     save_folder=save_sd3_folder,
     lora_targets=LORA_TARGETS,
+    # No kohya / ComfyUI layout: diffusers has no converter that reads one back for SD3
+    # (StableDiffusion3Pipeline.lora_state_dict converts no non-diffusers keys), so none is written;
+    # ComfyUI loads diffusers' file itself (comfy/lora.py maps SD3's `transformer.` names).
+    lora_kohya=None,
     presets=SD3,
     tiny="mmdit-tiny",
     tiny_recipe="tiny-mmdit-cpu",

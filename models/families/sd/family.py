@@ -4,6 +4,7 @@ from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNe
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from models.engine.family import REQUIRED, Family
+from models.families.sd.lora_layout import unet_kohya
 from models.families.sd.model import StableDiffusion
 from models.families.sd.presets import PUBLISHED, SD
 from models.flop_count import unet_step_flops
@@ -26,6 +27,7 @@ FAMILY = Family(
     1,
     "ddpm",
     {"prediction_type": REQUIRED},
+    lora_kohya=unet_kohya,
     presets=SD,
     tiny="tiny",
     tiny_recipe="tiny-cpu",

@@ -6,6 +6,7 @@ from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
 from models.engine.family import REQUIRED, Family
 from models.families.sd.family import COMPONENTS as SD_COMPONENTS
+from models.families.sd.lora_layout import unet_kohya
 from models.families.sdxl.model import StableDiffusionXL
 from models.families.sdxl.presets import PUBLISHED, SDXL
 from models.flop_count import unet_step_flops
@@ -27,6 +28,7 @@ FAMILY = Family(
     partners=PARTNERS,
     pooled_encoders=("text_encoder_2",),
     micro_conditioning=True,
+    lora_kohya=unet_kohya,
     presets=SDXL,
     tiny="sdxl-tiny",
     tiny_recipe="tiny-sdxl-cpu",
