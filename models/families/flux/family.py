@@ -5,7 +5,8 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from models.engine.family import FLOW_OPTIONS, REQUIRED, Family
-from models.families.flux.folder import save_flux_folder
+from models.engine.flow_folder import flow_folder_writer
+from models.families.flux.folder import model_card, usage
 from models.families.flux.lora_layout import flux_kohya
 from models.families.flux.model import Flux
 from models.families.flux.presets import FLUX, PUBLISHED
@@ -41,7 +42,7 @@ FAMILY = Family(
     packing=2,
     samplers=("euler",),
     guidance_rescale=False,
-    save_folder=save_flux_folder,
+    save_folder=flow_folder_writer(FluxPipeline, COMPONENTS, model_card, usage),
     inits={"reference": reference_init},  # the MLPerf Flux.1 reference's (reference_init.py)
     encoder_precision="bf16",  # as the MLPerf reference's preprocessing loads VAE, T5 and CLIP
     # train_dreambooth_lora_flux.py: the attention projections and both streams' MLPs.

@@ -1,47 +1,15 @@
-"""A flux model's export folder (models/export.py): a diffusers FluxPipeline saved with the training
-run's flow-matching sampler, and a README.md, the model card, whose front matter holds the call
-arguments that make the pipeline sample what `generate` samples (models.generate reads
-max_sequence_length back; tests/test_families.py passes the rest)."""
+"""What a flux model's export folder says (models/engine/flow_folder.py writes it): the README.md model
+card, whose front matter holds the FluxPipeline call arguments that make the pipeline sample what
+`generate` samples (models.generate reads max_sequence_length back; tests/test_families.py passes the
+rest), and the log's how-to."""
 
-import logging
-from pathlib import Path
-
-from diffusers import FluxPipeline
-
-from models.engine.family import README
+from models.engine.flow_folder import shift_origin
 from models.families.flux.model import Flux
-from models.families.mmdit.folder import shift_origin
-
-log = logging.getLogger(__name__)
 
 
-def save_flux_folder(model: Flux, out_dir: Path, shown_as: Path | None = None) -> None:
-    """A FluxPipeline folder of a flux model, and its README.md. `shown_as`: the name the log gives
-    the folder (models.export writes under a temporary name, then renames)."""
-    shown_as = shown_as or out_dir
-    # The pipeline decodes latents / scaling_factor + shift_factor: the model's unscale_latents.
-    model.vae.register_to_config(shift_factor=float(model.latent_shift))
-    # The training run's sampler with the shift it trained with at the native size: generate()'s.
-    scheduler = model.sampling_scheduler(model.native_size())
-    pipeline = FluxPipeline(
-        scheduler=scheduler,
-        vae=model.vae,
-        text_encoder=model.text_encoder,
-        tokenizer=model.tokenizer,
-        text_encoder_2=model.text_encoder_2,
-        tokenizer_2=model.tokenizer_2,
-        transformer=model.transformer,
-    )
-    pipeline.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / README).write_text(model_card(model))
-    log.info(
-        "wrote a FluxPipeline to %s: call it with %s; its scheduler's shift is %g, %s; as %s says",
-        shown_as,
-        ", ".join(f"{k}={v!r}" for k, v in call_arguments(model).items()),
-        scheduler.config.shift,
-        shift_origin(model),
-        shown_as / README,
-    )
+def usage(model: Flux) -> str:
+    """How to call the folder, for the export's log line."""
+    return "call it with " + ", ".join(f"{k}={v!r}" for k, v in call_arguments(model).items())
 
 
 def call_arguments(model: Flux) -> dict:

@@ -9,8 +9,9 @@ from diffusers import (
 from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from models.engine.family import FLOW_OPTIONS, REQUIRED, Family
+from models.engine.flow_folder import flow_folder_writer
 from models.engine.objectives import TIMESTEP_DENSITIES
-from models.families.mmdit.folder import save_sd3_folder
+from models.families.mmdit.folder import model_card, usage
 from models.families.mmdit.model import RectifiedFlowTransformer
 from models.families.mmdit.presets import PUBLISHED, SD3
 from models.families.sdxl.family import PARTNERS as SDXL_PARTNERS
@@ -61,7 +62,7 @@ FAMILY = Family(
     patches=True,
     samplers=("euler",),
     guidance_rescale=False,
-    save_folder=save_sd3_folder,
+    save_folder=flow_folder_writer(StableDiffusion3Pipeline, COMPONENTS, model_card, usage),
     lora_targets=LORA_TARGETS,
     # No kohya / ComfyUI layout: diffusers has no converter that reads one back for SD3
     # (StableDiffusion3Pipeline.lora_state_dict converts no non-diffusers keys), so none is written;

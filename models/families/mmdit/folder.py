@@ -1,81 +1,18 @@
-"""An mmdit model's export folder (models/export.py, whose docstring says what the folder holds): a
-diffusers StableDiffusion3Pipeline saved with the training run's flow-matching sampler, and a
-README.md, the model card, whose front matter holds the max_sequence_length to call the pipeline
-with (models.generate reads it back)."""
+"""What an mmdit model's export folder says (models/engine/flow_folder.py writes it): the README.md
+model card, whose front matter holds the max_sequence_length to call StableDiffusion3Pipeline with
+(models.generate reads it back), and the log's how-to."""
 
-import logging
-from pathlib import Path
-
-from diffusers import StableDiffusion3Pipeline
-
-from models.engine.family import README
+from models.engine.flow_folder import shift_origin
 from models.families.mmdit.model import RectifiedFlowTransformer
 
-log = logging.getLogger(__name__)
 
-
-def save_sd3_folder(model: RectifiedFlowTransformer, out_dir: Path, shown_as: Path | None = None) -> None:
-    """A StableDiffusion3Pipeline folder of an mmdit model, and its README.md. `shown_as`: the name
-    the log gives the folder (models.export writes under a temporary name, then renames)."""
-    shown_as = shown_as or out_dir
-    # The pipeline decodes latents / scaling_factor + shift_factor: the model's unscale_latents.
-    model.vae.register_to_config(shift_factor=float(model.latent_shift))
-    # The training run's flow-matching sampler with the shift it trained with at the model's native
-    # size: generate()'s Euler steps at that size.
-    scheduler = model.sampling_scheduler(model.native_size())
-    pipeline = StableDiffusion3Pipeline(
-        transformer=model.transformer,
-        scheduler=scheduler,
-        vae=model.vae,
-        text_encoder=model.text_encoder,
-        tokenizer=model.tokenizer,
-        text_encoder_2=model.text_encoder_2,
-        tokenizer_2=model.tokenizer_2,
-        text_encoder_3=model.text_encoder_3,  # None (null in model_index.json) without T5
-        tokenizer_3=model.tokenizer_3,
+def usage(model: RectifiedFlowTransformer) -> str:
+    """How to load and call the folder, for the export's log line."""
+    folder = "folder" if model.text_encoder_3 is not None else "folder, text_encoder_3=None, tokenizer_3=None"
+    return (
+        f"load it with StableDiffusion3Pipeline.from_pretrained({folder}) and call it with "
+        f"max_sequence_length={model.t5_tokens} (the model's t5_tokens; the default 256 samples other images)"
     )
-    # diffusers warns that a None T5 "cannot be saved": it is meant to be absent.
-    saver_log = logging.getLogger("diffusers.pipelines.pipeline_utils")
-    absent_t5 = _DropMessages("text_encoder_3=None", "tokenizer_3=None")
-    saver_log.addFilter(absent_t5)
-    try:
-        pipeline.save_pretrained(out_dir, safe_serialization=True)
-    finally:
-        saver_log.removeFilter(absent_t5)
-    (out_dir / README).write_text(model_card(model))
-    log.info(
-        "wrote a StableDiffusion3Pipeline to %s: load it with StableDiffusion3Pipeline.from_pretrained(%s) "
-        "and call it with max_sequence_length=%d (the model's t5_tokens; the default 256 samples other "
-        "images); its scheduler's shift is %g, %s; as %s says",
-        shown_as,
-        "folder" if model.text_encoder_3 is not None else "folder, text_encoder_3=None, tokenizer_3=None",
-        model.t5_tokens,
-        scheduler.config.shift,
-        shift_origin(model),
-        shown_as / README,
-    )
-
-
-def shift_origin(model: RectifiedFlowTransformer) -> str:
-    """Where an export's scheduler shift comes from, in words (the log's and the README's)."""
-    if model.timestep_shift is None:
-        return "the model's noise scheduler's, which it trained with (timestep_shift unset)"
-    if model.timestep_shift == "auto":
-        height, width = model.native_size()
-        return (
-            f"what it trained with at its native {height} x {width} px (timestep_shift: auto, "
-            "sqrt(pixels / 256^2) at each size; the pipeline keeps this one at every size)"
-        )
-    return "the timestep_shift it trained with"
-
-
-class _DropMessages(logging.Filter):
-    def __init__(self, *fragments: str):
-        super().__init__()
-        self.fragments = fragments
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(fragment in record.getMessage() for fragment in self.fragments)
 
 
 def model_card(model: RectifiedFlowTransformer) -> str:
