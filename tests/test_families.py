@@ -223,9 +223,10 @@ def test_caption_dropout_gives_the_empty_caption_s_condition(preset, batches, pr
             )
 
 
-def test_precomputed_latents_give_the_image_path_s_loss(preset, batches):
+def test_precomputed_latents_give_the_image_path_s_loss(preset, batches, monkeypatch):
     """The same global-RNG draws give the denoiser the same inputs and the same loss from `sd-convert
-    latents`' columns as from the images and token ids (to fp16 storage's precision)."""
+    latents`' columns as from the images and token ids (to fp16 storage's precision); so do the same
+    validation seeds."""
     model = _model(preset, caption_drop_prob=0.5).train()
     calls = {}
     with torch.no_grad():
@@ -244,6 +245,12 @@ def test_precomputed_latents_give_the_image_path_s_loss(preset, batches):
     close = max((from_latents[k].float() - from_images[k].float()).abs().max() for k in wrong)
     assert off > 10 * close
     assert model.flops_per_batch(batches["latents"]) == model.flops_per_batch(batches["images"]) > 0
+    model.eval()
+    seeds = model.eval_seeds(batches["images"])  # they hash the pixels or the moments: the images' for both
+    monkeypatch.setattr(model, "eval_seeds", lambda batch: seeds)
+    with torch.no_grad():
+        validation = [model.loss(model.eval_forward(batches[p]), batches[p]) for p in ("images", "latents")]
+    torch.testing.assert_close(validation[1], validation[0], rtol=2e-3, atol=1e-4)
 
 
 def test_the_checkpoint_record_rebuilds_the_model(preset, tmp_path):
@@ -263,8 +270,8 @@ def test_the_checkpoint_record_rebuilds_the_model(preset, tmp_path):
 
 def test_the_exported_pipeline_samples_what_generate_samples(preset, tmp_path):
     """diffusers' own pipeline class, as model_index.json names it, samples from the same seed what
-    `generate` samples."""
-
+    `generate` samples; so does the folder loaded back as `python -m models.generate FOLDER` loads it."""
+    from models import generate
     from models.export import export_pipeline
 
     model = _model(preset).eval()
@@ -273,6 +280,9 @@ def test_the_exported_pipeline_samples_what_generate_samples(preset, tmp_path):
     images = pipeline_images(load_pipeline(folder), folder, seed=3)
     assert images.shape == expected.shape == (2, 3, 32, 32)
     torch.testing.assert_close(images, expected, atol=1e-6, rtol=0)
+    loaded = generate.load_model(folder)
+    assert type(loaded) is type(model)
+    torch.testing.assert_close(loaded.generate(PROMPTS, seed=3, **SAMPLING), expected, atol=1e-6, rtol=0)
 
 
 def load_pipeline(folder: Path):

@@ -1,8 +1,8 @@
 """The rectified-flow MMDiT family (models/families/mmdit/model.py, presets sd3-medium and mmdit-tiny): the
 published sizes, the objective against a hand computation, the logit-normal timesteps, the conditioning and
 the sampler against diffusers' own StableDiffusion3Pipeline, pretrained folders (T5 too), FLOPs, FSDP
-units, and the tiny recipe training. (Caption dropout, precomputed embeddings, the training step and
-parameter counts: the suite of every family, tests/test_families.py.)"""
+units, and the tiny recipe training. (Caption dropout, precomputed embeddings, the training step,
+validation's determinism and parameter counts: the suite of every family, tests/test_families.py.)"""
 
 import math
 
@@ -105,7 +105,8 @@ def _transformer_call(model, run) -> dict:
 def test_loss_and_target_are_the_rectified_flow_objective():
     """With the validation draws (a generator per sample, seeded): x0 = (posterior sample - shift) *
     scale, t = shifted sigmoid(mean + std * n), x_t = (1 - t) x0 + t noise, timestep 1000 t, target
-    noise - x0, loss the per-sample MSE weighted as diffusers' SD3 script weighs it, all by hand."""
+    noise - x0, loss the per-sample MSE weighted as diffusers' SD3 script weighs it, all by hand. (That
+    these draws are the same every time: tests/test_families.py.)"""
     torch.manual_seed(0)
     model = build_model(
         "mmdit-tiny", timestep_mean=0.3, timestep_std=0.8, timestep_shift=2.5, loss_weighting="cosmap"
@@ -136,11 +137,6 @@ def test_loss_and_target_are_the_rectified_flow_objective():
     weights = compute_loss_weighting_for_sd3("cosmap", sigmas=hand_t)
     loss = model.loss((prediction, target, t), batch)
     torch.testing.assert_close(loss, (per_sample * weights).mean())
-    # The same number every time: the draws are the samples', not the global RNG's.
-    torch.manual_seed(123)
-    again = model.loss(model.eval_forward(batch), batch)
-    torch.testing.assert_close(again, model.loss(model.eval_forward(batch), batch), rtol=0, atol=0)
-    assert model.eval_seeds(batch) == model.eval_seeds(batch)
 
 
 @pytest.mark.parametrize(("shift", "mean", "std"), [(1.0, 0.0, 1.0), (3.0, 0.0, 1.0), (1.0, -0.5, 0.7)])

@@ -1,8 +1,9 @@
 """The mmdit family's data path (issue 26): `sd-convert latents --preset mmdit-tiny` stores what
 RectifiedFlowTransformer reads instead of images and token ids (both CLIPs' unpadded context, the
-pooled vector, the VAE moments unscaled; T5's context when the pretrained folder has a T5), trained on
-it gives the image path's loss for the same draws, and `recipes.prepare`'s random sd3-medium latents
-have the shapes sd3-medium reads (a training forward on the meta device)."""
+pooled vector, the VAE moments unscaled; T5's context when the pretrained folder has a T5), and
+`recipes.prepare`'s random sd3-medium latents have the shapes sd3-medium reads (a training forward on
+the meta device). (That training on the stored columns gives the image path's loss for the same draws:
+tests/test_families.py.)"""
 
 import json
 
@@ -22,21 +23,11 @@ from models.engine.tokenizer import build_t5_tokenizer
 from models.presets import size_multiple
 from models.registry import PRESETS
 from recipes.prepare import PREPARERS, prepare_random_latents, prepare_sd3_latents
+from recipes.trainer import loader_inputs
 from tests.convert_fixtures import read_mds, run_cli
 
 RESOLUTION = 32  # the shapes' size; mmdit-tiny's 8 x 8 latents
-SAMPLES = 16  # of the 64 shapes, compared one by one
 T5_PARTS = ["vae", "text_encoder", "tokenizer", "text_encoder_3"]
-
-
-def data_config(local, **kwargs) -> ImageCaptionDataConfig:
-    return ImageCaptionDataConfig(
-        local=str(local), resolution=RESOLUTION, hflip=False, shuffle=False, **kwargs
-    )
-
-
-def by_key(dataset, n: int = SAMPLES) -> dict[str, dict]:
-    return {dataset.get_item(i)["key"]: dataset[i] for i in range(n)}
 
 
 def tiny_model(**options):
@@ -99,57 +90,14 @@ def test_stored_columns_and_shapes(tiny_latents):
     )
 
 
-def test_mmdit_tiny_precomputed_latents_give_the_image_paths_loss(shapes_mds, tiny_latents):
-    """Per sample: the stored context and pooled vector are encode_clip's and the moments the VAE's
-    (fp16); trained on, the same prediction, target, timestep and loss for the same global-RNG draws,
-    with and without caption dropout (caption_drop_prob 0.5, three seeds each); and validation's
-    seeded loss over the whole batch.
-
-    One sample per training batch, as tests/test_sdxl_data.py: the CPU VAE returns a batch of two or
-    more in channels-last memory, where the model's `randn_like` noise lands on other elements than
-    for the stored (contiguous) moments: the same distribution, not the same numbers."""
-    model = tiny_model(caption_drop_prob=0.5).train()
-    loader = build_image_caption_dataloader(
-        data_config(shapes_mds / "mds"), model.tokenizer, 1, 8, tokenizer_2=model.tokenizer_2
-    )
-    images = by_key(loader.dataset)
-    latents = by_key(
-        build_image_caption_dataloader(data_config(tiny_latents, latents=True), None, 1, 8).dataset
-    )
-    assert latents.keys() == images.keys() and len(images) == SAMPLES
-    assert next(iter(images.values())).keys() == {"image", "input_ids", "input_ids_2", "sample_index"}
-    keys = sorted(images)
-    image_batch = collate([images[k] for k in keys])
-    stored = collate([latents[k] for k in keys])
-
-    clip, pooled = model.encode_clip(image_batch["input_ids"], image_batch["input_ids_2"])
-    torch.testing.assert_close(stored["text_embeds"], clip, rtol=1e-2, atol=1e-3)
-    torch.testing.assert_close(stored["pooled_text_embeds"], pooled, rtol=1e-2, atol=1e-3)
-    with torch.no_grad():
-        moments = model.vae_moments(image_batch["image"])
-    torch.testing.assert_close(stored["latents"], moments, rtol=1e-2, atol=1e-3)
-
-    for key in keys:
-        for seed in (1, 2, 3):
-            results = []
-            for sample in (images[key], latents[key]):
-                batch = collate([sample])
-                torch.manual_seed(seed)
-                with torch.no_grad():
-                    outputs = model(batch)
-                    results.append((outputs, model.loss(outputs, batch)))
-            (from_images, image_loss), (from_latents, latents_loss) = results
-            for ours, expected in zip(from_latents, from_images):  # prediction, target, t
-                torch.testing.assert_close(ours, expected, rtol=2e-3, atol=2e-3)
-            torch.testing.assert_close(latents_loss, image_loss, rtol=2e-3, atol=1e-4)
-    seeds = list(range(SAMPLES))  # validation draws from a generator per sample: any memory layout
-    with torch.no_grad():
-        torch.testing.assert_close(
-            model.loss(model._diffuse(stored, seeds=seeds), stored),
-            model.loss(model._diffuse(image_batch, seeds=seeds), image_batch),
-            rtol=2e-3,
-            atol=1e-4,
-        )
+def test_the_image_loader_hands_both_clips_ids_and_no_t5_s(shapes_mds):
+    """What recipes/trainer.py passes the image loader for mmdit-tiny, a model without T5 (with T5:
+    tests/test_mmdit_t5.py). That what it trains on from images and from the stored columns gives the
+    same loss: tests/test_families.py."""
+    model = build_model("mmdit-tiny")
+    config = ImageCaptionDataConfig(local=str(shapes_mds / "mds"), resolution=RESOLUTION, shuffle=False)
+    dataset = build_image_caption_dataloader(config, model.tokenizer, 1, 8, **loader_inputs(model)).dataset
+    assert dataset[0].keys() == {"image", "input_ids", "input_ids_2", "sample_index"}
 
 
 def _sd3_folder(folder) -> None:
