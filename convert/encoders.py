@@ -15,6 +15,7 @@ import torch
 
 import models.registry as families
 from convert.common import ConvertError
+from models.engine.family import OPTIONAL  # SD3's optional T5: text_encoder_3/ and tokenizer_3/
 from models.engine.latent_diffusion import LatentDiffusion
 from models.presets import bundled_t5
 from models.registry import PRESETS
@@ -56,9 +57,6 @@ class Encoders:
         return self
 
 
-T5_PARTS = ("text_encoder_3", "tokenizer_3")
-
-
 def has_t5(pretrained: str | None) -> bool:
     """Whether the diffusers folder (or hub id) `pretrained` holds a T5 encoder and its tokenizer
     (`text_encoder_3/`, `tokenizer_3/`, as stable-diffusion-3-medium-diffusers does)."""
@@ -66,12 +64,12 @@ def has_t5(pretrained: str | None) -> bool:
         return False
     local = Path(pretrained).expanduser()
     if local.exists():
-        return all((local / name).is_dir() for name in T5_PARTS)
+        return all((local / name).is_dir() for name in OPTIONAL)
     from huggingface_hub import hf_hub_download
 
     with open(hf_hub_download(pretrained, "model_index.json")) as index:
         parts = json.load(index)
-    return all((parts.get(name) or [None])[0] is not None for name in T5_PARTS)
+    return all((parts.get(name) or [None])[0] is not None for name in OPTIONAL)
 
 
 def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) -> Encoders:
@@ -86,7 +84,7 @@ def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) 
         parts = build_encoders(preset, pretrained)
     family = families.of(preset)
     if t5 and family.reads_t5 and pretrained is not None:
-        parts.update({name: load_component(name, pretrained, preset) for name in T5_PARTS})
+        parts.update({name: load_component(name, pretrained, preset) for name in OPTIONAL})
     return Encoders(family, **parts, **families.preset_options(preset))
 
 
@@ -255,5 +253,5 @@ def recipe_settings(recipe: RecipeModel) -> tuple[str, str | None, bool]:
                 "(yamls/tiny-cpu.yaml: python train.py yamls/tiny-vae.yaml)"
             ) from None
     components = model.get("pretrained_components") or []
-    loads_t5 = pretrained is not None and any(name in components for name in T5_PARTS)
+    loads_t5 = pretrained is not None and any(name in components for name in OPTIONAL)
     return preset, pretrained, (loads_t5 or bundled_t5(preset)) and families.of(preset).reads_t5

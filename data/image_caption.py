@@ -14,9 +14,9 @@ section 2.2): `original_size` (height, width) of the image before the converter 
 (top, left) of the training crop in the resized image, as LongTensors (2,). Without the flags a
 sample holds `image` and `input_ids` only (what SD1/SD2 read).
 
-An mmdit model with T5 (models/families/mmdit/model.py: `text_encoder_3`) reads `input_ids_3` too: T5's ids of
-the caption, `t5_tokens` long (`tokenizer_3`), as StableDiffusion3Pipeline tokenizes with
-max_sequence_length=t5_tokens.
+A model that reads T5 (an mmdit model with `text_encoder_3`, a flux model) reads `input_ids_3` too:
+T5's ids of the caption, `t5_tokens` long (`t5_tokenizer`: SD3's tokenizer_3, Flux's tokenizer_2),
+as the pipelines tokenize with max_sequence_length=t5_tokens.
 """
 
 import functools
@@ -29,6 +29,7 @@ from torchvision.transforms import functional as F
 
 from data.streaming_base import StreamingBase
 from data.transforms import Crop, SquareTransform, crop_top_left, square_crop
+from models.engine.conditioners import T5_IDS
 from models.engine.draw_keys import SAMPLE_INDEX
 from models.engine.eval_timesteps import STORED as EVAL_TIMESTEP
 from models.engine.pixels import to_float
@@ -97,7 +98,7 @@ class ImageCaptionDataset(StreamingBase):
         sizes: list[tuple[int, int]] | None = None,
         tokenizer_2=None,
         micro_conditioning: bool = False,
-        tokenizer_3=None,
+        t5_tokenizer=None,
         t5_tokens: int | None = None,
         **streaming_kwargs,
     ):
@@ -106,9 +107,9 @@ class ImageCaptionDataset(StreamingBase):
         self.sizes = sizes
         self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
         self.micro_conditioning = micro_conditioning
-        if tokenizer_3 is not None and not t5_tokens:
-            raise ValueError("tokenizer_3 (T5) needs t5_tokens, the length of its ids")
-        self.tokenizer_3, self.t5_tokens = tokenizer_3, t5_tokens
+        if t5_tokenizer is not None and not t5_tokens:
+            raise ValueError("t5_tokenizer needs t5_tokens, the length of its ids")
+        self.t5_tokenizer, self.t5_tokens = t5_tokenizer, t5_tokens
         self.image_key, self.caption_key = image_key, caption_key
         self.transform = image_transform(resolution)
         self.hflip = hflip
@@ -125,7 +126,7 @@ class ImageCaptionDataset(StreamingBase):
         return tokenize(self.tokenizer_2, [caption])[0]
 
     def _tokenize_3(self, caption: str):
-        return tokenize_t5(self.tokenizer_3, [caption], self.t5_tokens)[0]
+        return tokenize_t5(self.t5_tokenizer, [caption], self.t5_tokens)[0]
 
     def _flips(self, index: int) -> bool:
         return _flip_decision(index, max(self.next_epoch - 1, 0))
@@ -143,8 +144,8 @@ class ImageCaptionDataset(StreamingBase):
         out = {"image": crop.pixels, "input_ids": self._token_ids(caption).clone()}
         if self.tokenizer_2 is not None:
             out["input_ids_2"] = self._token_ids_2(caption).clone()
-        if self.tokenizer_3 is not None:
-            out["input_ids_3"] = self._token_ids_3(caption).clone()
+        if self.t5_tokenizer is not None:
+            out[T5_IDS] = self._token_ids_3(caption).clone()
         if self.micro_conditioning:
             out["original_size"] = torch.tensor(original_size(sample, crop.size))
             out["crop_top_left"] = torch.tensor(crop.top_left)

@@ -81,13 +81,14 @@ def build_image_caption_dataloader(
     *,
     tokenizer_2=None,
     micro_conditioning: bool = False,
-    tokenizer_3=None,
+    t5_tokenizer=None,
     t5_tokens: int | None = None,
 ) -> DataLoader:
     """A DataLoader over the configured set(s) (recipes.prepare.ensure_dataset checks them);
     `batch_size` is per device; `size_multiple` is what bucket sizes must be multiples of.
     `tokenizer_2` and `micro_conditioning`: what an SDXL model reads besides (data/image_caption.py);
-    `tokenizer_2`, `tokenizer_3` and `t5_tokens`: an mmdit model's (T5's ids when it has a T5);
+    `t5_tokenizer` and `t5_tokens`: T5's ids, for a model that reads T5 (SD3's optional `tokenizer_3`,
+    Flux's `tokenizer_2`);
     precomputed latents hold it already (data/latent_dataset.py)."""
     streaming = dict(
         shuffle=cfg.shuffle,
@@ -116,7 +117,7 @@ def build_image_caption_dataloader(
             sizes=sizes,
             tokenizer_2=tokenizer_2,
             micro_conditioning=micro_conditioning,
-            tokenizer_3=tokenizer_3,
+            t5_tokenizer=t5_tokenizer,
             t5_tokens=t5_tokens,
             **streaming,
         )

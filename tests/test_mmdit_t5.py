@@ -198,7 +198,7 @@ def test_sd3_medium_with_t5_hands_its_loader_t5_ids(shapes_mds):
         t5_tokens=spec["t5_tokens"],
     )  # fmt: skip
     inputs = loader_inputs(model)
-    assert inputs["tokenizer_3"] is model.tokenizer_3 and inputs["t5_tokens"] == 77
+    assert inputs["t5_tokenizer"] is model.tokenizer_3 and inputs["t5_tokens"] == 77
     config = ImageCaptionDataConfig(local=str(shapes_mds / "mds"), resolution=32, shuffle=False)
     dataset = build_image_caption_dataloader(
         config, model.tokenizer, 2, size_multiple("sd3-medium"), **inputs

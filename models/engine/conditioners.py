@@ -25,7 +25,7 @@ import torch
 
 from models.engine.tokenizer import MAX_LENGTH, tokenize, tokenize_t5
 
-# The data loader's column of T5's ids (data/image_caption.py, from its `tokenizer_3` keyword), whichever
+# The data loader's column of T5's ids (data/image_caption.py, from its `t5_tokenizer` keyword), whichever
 # component of a family holds T5.
 T5_IDS = "input_ids_3"
 
@@ -123,7 +123,7 @@ class CLIPsAndT5(TwoCLIPs):
     def loader_inputs(self, parts) -> dict:
         inputs = super().loader_inputs(parts)
         if parts.text_encoder_3 is not None:
-            inputs.update(tokenizer_3=parts.tokenizer_3, t5_tokens=parts.t5_tokens)
+            inputs.update(t5_tokenizer=parts.tokenizer_3, t5_tokens=parts.t5_tokens)
         return inputs
 
     def context_tokens(self, t5_tokens: int | None) -> int:
@@ -160,7 +160,7 @@ class PooledCLIPAndT5(CLIPText):
         }
 
     def loader_inputs(self, parts) -> dict:
-        return {"tokenizer_3": parts.tokenizer_2, "t5_tokens": parts.t5_tokens}
+        return {"t5_tokenizer": parts.tokenizer_2, "t5_tokens": parts.t5_tokens}
 
     def context_tokens(self, t5_tokens: int | None) -> int:
         return t5_tokens
