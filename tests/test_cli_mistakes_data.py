@@ -67,6 +67,7 @@ def test_evaluate_a_set_too_small_before_any_sampling(six_rows, tiny_pipeline, t
     assert not (tmp_path / "out" / "images").exists()
 
 
+@pytest.mark.heavy
 def test_evaluate_a_resolution_the_vae_would_round(shapes_mds, tiny_pipeline, tmp_path, monkeypatch):
     folder, _ = tiny_pipeline
     monkeypatch.setattr(extractors, "inception", lambda *a: object())  # never used: refused first

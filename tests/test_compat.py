@@ -223,6 +223,7 @@ def _unlisted_in_compat() -> list[str]:
     return [f"{line}: not in tests/test_compat.py's RELIED_ON" for line in bad]
 
 
+@pytest.mark.heavy
 def test_every_private_symbol_we_rely_on_still_holds():
     failures = [
         f"{where}.{name}: {why}" for where, name, what in RELIED_ON if (why := broken(where, name, what))

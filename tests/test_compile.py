@@ -108,6 +108,7 @@ def _one_graph_without_a_break() -> None:
 # The UNets' training steps are checked by the tests that train them compiled (tiny: the aot_eager
 # test; sd2-base's structure and options: the inductor test).
 @pytest.mark.parametrize("preset", ["sdxl-tiny", "mmdit-tiny"])
+@pytest.mark.heavy
 def test_the_denoisers_training_step_is_one_graph_without_a_break(preset):
     torch.manual_seed(0)
     model = build(preset).train()
@@ -229,6 +230,7 @@ def test_the_cuda_graph_modes_are_torchs():
 
 
 @pytest.mark.parametrize("cudagraphs", [True, False])
+@pytest.mark.heavy
 def test_under_cuda_graphs_each_call_marks_a_step_before_its_graph_runs(cudagraphs, monkeypatch):
     """The mark must come before the compiled graph of the same call, outside it (a mark traced
     into the graph, or replayed after it, would start the new step too late or mid-step)."""

@@ -108,6 +108,7 @@ def test_gpu_device_without_a_gpu(shapes_mds, nothing_built):
     _fails(["trainer.device=gpu"], shapes_mds, "'trainer.device' is gpu but this machine has no CUDA GPU")
 
 
+@pytest.mark.heavy
 def test_missing_data_paths_are_named(shapes_mds, tmp_path, nothing_built):
     # The whole key, as written on the command line (data.train.local, not data.local).
     nope, gone = tmp_path / "nope", tmp_path / "gone"

@@ -27,6 +27,7 @@ def rows_of(out: Path) -> list[tuple]:
     return [(r["key"], r["caption"], r["image"], r["width"], r["height"]) for r in read_mds(out)]
 
 
+@pytest.mark.heavy
 def test_rerun_skips_finished_inputs_and_redoes_the_rest(tmp_path):
     src, out = tmp_path / "shards", tmp_path / "out"
     make_i2d_tars(src, shards=4, per_shard=5)

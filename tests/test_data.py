@@ -68,6 +68,7 @@ def test_dataloader_uses_per_device_batch(shapes_mds):
     assert batch["input_ids"].shape == (8, 77)
 
 
+@pytest.mark.heavy
 def test_prepared_dataset_is_built_once_and_missing_data_is_named(tmp_path):
     import inspect
 
@@ -113,6 +114,7 @@ def _levels(ours: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("mode", ["RGB", "L", "RGBA", "P", "CMYK"])
+@pytest.mark.heavy
 def test_image_transform_is_torchvisions_resize_and_center_crop(size, mode):
     """Within one 8-bit level of Resize(R) + CenterCrop(R) + ToTensor + Normalize on PIL, for an opened
     image and for encoded bytes decoded in full; JPEG bytes decoded at a reduced DCT scale (shorter

@@ -13,6 +13,7 @@ from recipes import load_config, parse_config
 QUICK_COLOR, QUICK_SHAPE = 0.75, 0.6
 
 
+@pytest.mark.heavy
 def test_every_preset_trains_its_own_model_and_has_quick_settings():
     """`--preset P` trains P (not another preset's recipe), and `--quick` has settings for it that its
     recipe takes and that shorten it."""

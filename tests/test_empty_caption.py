@@ -56,6 +56,7 @@ def training_loss(model, batch, seed: int = 3) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("preset", ["flux-tiny", "mmdit-tiny", "tiny"])
+@pytest.mark.heavy
 def test_dropout_on_the_stored_empty_caption_is_the_models_own_encoding_bitwise(
     shapes_mds, flux_set, tmp_path, preset
 ):
@@ -151,6 +152,7 @@ def test_the_model_refuses_a_stored_form_that_is_not_one_captions():
         model.set_empty_caption({"text_embeds": torch.zeros(2, 8, 64)})
 
 
+@pytest.mark.heavy
 def test_the_trainer_hands_the_set_s_empty_caption_to_the_model(flux_set):
     """recipes/trainer.py: a run on precomputed encodings with caption dropout sets the set's empty
     caption on its model once, before training; without dropout it reads nothing."""

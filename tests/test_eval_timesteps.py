@@ -30,6 +30,7 @@ def family(request, shapes_mds):
 
 
 @torch.no_grad()
+@pytest.mark.heavy
 def test_each_sample_keeps_one_of_k_timesteps_and_its_own_noise(family):
     plain, fixed, batch = family
     seeds = fixed.eval_seeds(batch)
@@ -47,6 +48,7 @@ def test_each_sample_keeps_one_of_k_timesteps_and_its_own_noise(family):
 
 
 @torch.no_grad()
+@pytest.mark.heavy
 def test_the_validation_loss_is_the_same_number_for_a_checkpoint(family, tmp_path):
     from models.export import load_model_from_checkpoint
 

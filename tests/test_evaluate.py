@@ -54,6 +54,7 @@ def test_clip_score_is_deterministic(shapes_mds):
     assert not torch.equal(scores, extractors.clip("tiny").scores(images, captions[::-1]))
 
 
+@pytest.mark.heavy
 def test_missing_weights_are_one_clear_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         evaluate.main(["ckpt.pt", "--data", str(tmp_path), "--out", str(tmp_path / "out")])

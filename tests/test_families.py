@@ -152,6 +152,7 @@ def _checkpoint(model, path: Path) -> Path:
     return path
 
 
+@pytest.mark.heavy
 def test_a_training_step_gives_a_finite_loss_and_moves_only_the_denoiser(preset, batches):
     model = _model(preset).train()
     batch = batches["images"]
@@ -169,6 +170,7 @@ def test_a_training_step_gives_a_finite_loss_and_moves_only_the_denoiser(preset,
     assert not model.vae.training  # frozen parts stay in eval mode in a training model
 
 
+@pytest.mark.heavy
 def test_validation_is_deterministic_for_a_checkpoint(preset, batches, tmp_path):
     """eval_forward's draws are seeded per sample: the same outputs twice, after training draws, and
     from the checkpoint's reload; another eval seed gives others."""
@@ -190,6 +192,7 @@ def test_validation_is_deterministic_for_a_checkpoint(preset, batches, tmp_path)
 
 
 @pytest.mark.parametrize("prob", [0.0, 1.0])
+@pytest.mark.heavy
 def test_caption_dropout_gives_the_empty_caption_s_condition(preset, batches, prob):
     """At probability 1 the denoiser gets, from images or from stored embeddings, the condition that
     sampling gives the empty caption (the unconditional half of `prompt_condition`); at 0, and in
@@ -223,6 +226,7 @@ def test_caption_dropout_gives_the_empty_caption_s_condition(preset, batches, pr
             )
 
 
+@pytest.mark.heavy
 def test_precomputed_latents_give_the_image_path_s_loss(preset, batches, monkeypatch):
     """The same global-RNG draws give the denoiser the same inputs and the same loss from `sd-convert
     latents`' columns as from the images and token ids (to fp16 storage's precision); so do the same
@@ -253,6 +257,7 @@ def test_precomputed_latents_give_the_image_path_s_loss(preset, batches, monkeyp
     torch.testing.assert_close(validation[1], validation[0], rtol=2e-3, atol=1e-4)
 
 
+@pytest.mark.heavy
 def test_the_checkpoint_record_rebuilds_the_model(preset, tmp_path):
     from models.checkpoints.record import describe, read_record
     from models.export import load_model_from_checkpoint
@@ -268,6 +273,7 @@ def test_the_checkpoint_record_rebuilds_the_model(preset, tmp_path):
     assert not any(p.is_meta for p in loaded.parameters()) and not loaded.denoiser.training
 
 
+@pytest.mark.heavy
 def test_the_exported_pipeline_samples_what_generate_samples(preset, tmp_path):
     """diffusers' own pipeline class, as model_index.json names it, samples from the same seed what
     `generate` samples; so does the folder loaded back as `python -m models.generate FOLDER` loads it."""
@@ -318,6 +324,7 @@ PUBLISHED = {preset: counts for family in REGISTERED.values() for preset, counts
 
 
 @pytest.mark.parametrize("published", list(PUBLISHED))
+@pytest.mark.heavy
 def test_full_size_presets_have_the_published_parameter_counts(published):
     from models.components import build_components
 

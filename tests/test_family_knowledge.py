@@ -72,6 +72,7 @@ def family_branches() -> dict[str, set[int]]:
     return {path: lines for path, lines in found.items() if lines}
 
 
+@pytest.mark.heavy
 def test_family_knowledge_stays_in_the_table():
     found = family_branches()
     assert len(found) <= 2 and sum(map(len, found.values())) <= 20, found

@@ -90,6 +90,7 @@ def test_training_flops_match_a_closed_form_count(preset, resolution, side):
     assert flops.training_flops_per_image(preset, resolution) == expected
 
 
+@pytest.mark.heavy
 def test_tiny_is_positive_and_smaller():
     tiny = flops.training_flops_per_image("tiny", 32)
     assert 0 < tiny < flops.training_flops_per_image("tiny", 64)

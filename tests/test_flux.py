@@ -52,6 +52,7 @@ def test_the_transformer_gets_t_in_0_1_and_the_pipeline_s_inputs():
         model.generate(PROMPTS, height=36, num_inference_steps=1)
 
 
+@pytest.mark.heavy
 def test_uniform_timesteps_are_the_presets_default_and_an_option():
     """The flux presets train on uniform timesteps (the MLPerf reference's torch.rand), made from the
     same normal draws as logit-normal ones (their CDF); other presets keep logit-normal; a UNet preset
@@ -108,6 +109,7 @@ def _dev_like_tiny() -> Flux:
     return model.eval()
 
 
+@pytest.mark.heavy
 def test_a_guidance_embedding_trains_at_a_fixed_scale_and_exports_as_flux_dev_samples(tmp_path):
     """With FLUX.1-dev's guidance embedding, training passes TRAIN_GUIDANCE; generate's guidance scale
     is the embedded one, with no second branch, as FluxPipeline's `guidance_scale`: the export's README

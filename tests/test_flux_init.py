@@ -84,6 +84,7 @@ def test_the_initialised_model_predicts_zero_and_its_first_step_moves_only_the_o
     assert moved == {"proj_out.weight", "proj_out.bias"}
 
 
+@pytest.mark.heavy
 def test_nothing_loaded_is_initialised_again_and_a_loaded_transformer_is_refused(tmp_path):
     source = build_model(PRESET)
     for name in FROZEN:

@@ -27,6 +27,7 @@ def _built(preset: str, **options):
 
 
 @pytest.mark.parametrize("preset", TRANSFORMERS)
+@pytest.mark.heavy
 def test_the_blocks_attention_and_mlp_matmuls_train_in_float8_and_nothing_else(preset):
     """Every linear layer of the blocks but the adaLN modulation becomes a Float8Linear (rowwise, the
     default of `true`); the embedders, time/text MLPs, final norm and output stay nn.Linear; the state
@@ -56,6 +57,7 @@ def _loss_and_grads(model, batch):
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.heavy
 def test_an_emulated_float8_step_is_near_the_full_precision_step_and_not_equal_to_it(recipe):
     """The same model, batch and draws with and without float8 matmuls: the loss within 2% and the
     gradient pointing the same way (cosine > 0.99), but not bitwise equal: the casts do happen."""

@@ -87,6 +87,7 @@ FAMILY_CASES = [
 
 
 @pytest.mark.parametrize(("preset", "variant", "resolution"), FAMILY_CASES)
+@pytest.mark.heavy
 def test_every_sdxl_and_sd3_variant_is_a_valid_config(preset, variant, resolution):
     target = gpu_check.TARGETS[preset]
     micro, overrides = gpu_check.variant_overrides(8, resolution, target["variants"][variant], preset)
@@ -97,6 +98,7 @@ def test_every_sdxl_and_sd3_variant_is_a_valid_config(preset, variant, resolutio
     assert run.trainer["device_train_microbatch_size"] == micro and run.global_train_batch_size == 8 * micro
 
 
+@pytest.mark.heavy
 def test_sdxl_latents_hand_the_model_what_it_reads(tmp_path):
     """The random SDXL latents give the model a batch it trains on: context, pooled vector and
     micro-conditioning, with the sdxl-base shapes."""
@@ -163,6 +165,7 @@ def test_sd2_latents_are_shaped_like_convert_latents(tmp_path):
     assert np.isfinite(sample["latents"].numpy()).all()
 
 
+@pytest.mark.heavy
 def test_plain_loop_ceiling_trains_the_recipes_model(tmp_path):
     """The ceiling row (a plain loop over the same model) runs the real model's loss and optimizer;
     here on the tiny preset on the CPU, where it must report a positive rate and no GPU memory, and
@@ -178,6 +181,7 @@ def test_plain_loop_ceiling_trains_the_recipes_model(tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["sdxl-tiny", "mmdit-tiny", "flux-tiny"])
+@pytest.mark.heavy
 def test_plain_loop_builds_each_family_s_stored_batch(preset):
     """Its batch is the family's stored form (models/stored_form.py), so Flux's T5 context and pooled
     CLIP vector too, where it once built SD3's shapes for every transformer (issue 48)."""

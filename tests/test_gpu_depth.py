@@ -23,6 +23,7 @@ gpu_runs = sys.modules["bench.gpu.gpu_runs"]
 TINY_DEPTHS = [{"num_layers": d, "num_single_layers": s} for d, s in ((1, 1), (2, 1), (1, 3), (2, 3))]
 
 
+@pytest.mark.heavy
 def test_the_full_models_flops_are_the_line_through_the_reduced_depths():
     """What makes the extrapolation fair, on the meta device: flux-schnell's training FLOPs at the
     depths gpu_check times lie on one line per block, and the line at 19 + 38 blocks is the full
@@ -44,6 +45,7 @@ def test_depths_that_do_not_separate_the_kinds_are_refused():
         depth.fit(proportional, [1.0, 2.0, 3.0], ["num_layers", "num_single_layers"])
 
 
+@pytest.mark.heavy
 def test_the_job_trains_the_reduced_model_on_a_cpu():
     """flux-tiny at each depth: a real training step (loss, backward, AdamW) on precomputed encodings
     and the stored empty caption, its frozen encoders on the meta device; the record extrapolates to

@@ -72,6 +72,7 @@ def test_latents_cli(shapes_mds, tmp_path, capsys):
     assert "not an MDS dataset" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_latents_of_a_vae_only_export_with_its_recipe_are_the_demos(shapes_mds, tmp_path, capsys):
     """`sd-convert latents --recipe yamls/tiny-cpu.yaml` over a VAE-only export (what yamls/tiny-vae.yaml
     writes: vae/ alone) encodes with that VAE and the random text encoder the recipe's training run

@@ -27,6 +27,7 @@ def _bf16_exact(x: torch.Tensor) -> bool:
     return torch.equal(x.to(torch.bfloat16).float(), x)
 
 
+@pytest.mark.heavy
 def test_flux_encodes_in_bf16_by_default_within_two_percent_of_fp32(shapes_mds, tmp_path):
     assert default_precision("flux-schnell") == default_precision("flux-tiny") == "bf16"
     assert default_precision("sd2-base") == default_precision("mmdit-tiny") == "fp32"

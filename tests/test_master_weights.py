@@ -238,6 +238,7 @@ def test_build_model_refuses_other_dtypes():
 
 
 @pytest.mark.parametrize("preset", ["tiny", "sdxl-tiny", "mmdit-tiny"])
+@pytest.mark.heavy
 def test_every_family_trains_evaluates_and_samples_with_bf16_weights(preset):
     """Outside autocast (the CPU; sampling), the denoiser gets its inputs in bf16 and gives back a
     prediction the loss reads in fp32: the loss is the fp32 model's within bf16 rounding."""

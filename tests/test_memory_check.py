@@ -46,6 +46,7 @@ def _plan(run, world=1):
     return plan_batches(run.global_train_batch_size, world, run.trainer.get("device_train_microbatch_size"))
 
 
+@pytest.mark.heavy
 def test_flux_dev_on_a_24_gb_host_is_one_line_before_anything_is_built(
     shapes_mds, flux_dev, monkeypatch, nothing_built
 ):
@@ -66,6 +67,7 @@ def test_flux_dev_on_a_24_gb_host_is_one_line_before_anything_is_built(
     assert not nothing_built
 
 
+@pytest.mark.heavy
 def test_on_a_gpu_the_free_memory_is_what_counts_and_the_advice_names_what_fits(
     shapes_mds, flux_dev, monkeypatch
 ):

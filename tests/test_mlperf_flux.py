@@ -121,6 +121,7 @@ def test_the_converted_set_holds_the_reference_values_exactly_and_skips_what_fp1
     assert torch.equal(tensors["pooled_text_embeds"], torch.full((1, 32), -0.5)) and metadata["caption"] == ""
 
 
+@pytest.mark.heavy
 def test_validation_puts_each_sample_at_its_stored_timestep(coco, caplog):
     """flux-tiny with model.eval_timesteps=8 on the converted set: sample i is validated at t = i / 8
     for the i the set stores (not at its content hash's), in every batch; another K is refused."""

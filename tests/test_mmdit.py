@@ -32,6 +32,7 @@ def count(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+@pytest.mark.heavy
 def test_sd3_medium_has_the_published_t5_vae_and_schedule():
     """(The transformer's, CLIPs' and VAE's parameter counts: tests/test_families.py.)"""
     from transformers import T5Config, T5EncoderModel
@@ -140,6 +141,7 @@ def test_loss_and_target_are_the_rectified_flow_objective():
 
 
 @pytest.mark.parametrize(("shift", "mean", "std"), [(1.0, 0.0, 1.0), (3.0, 0.0, 1.0), (1.0, -0.5, 0.7)])
+@pytest.mark.heavy
 def test_logit_normal_timesteps(shift, mean, std):
     """logit(t) is normal with the configured mean and std; a shift s multiplies t's odds by s, so it
     adds log(s) to logit(t) (eq. 23 of the SD3 paper)."""
@@ -158,6 +160,7 @@ def test_logit_normal_timesteps(shift, mean, std):
     torch.testing.assert_close(first["timestep"], 1000 * first["result"][2])
 
 
+@pytest.mark.heavy
 def test_timestep_shift_is_the_flow_schedulers_and_auto_follows_the_resolution():
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # its sigmas: the unshifted ones, shifted
     plain = FlowMatchEulerDiscreteScheduler(shift=1.0)
@@ -224,6 +227,7 @@ def test_generate_samples_what_the_sd3_pipeline_samples(model):
         model.generate(PROMPTS, sampler="ddim")
 
 
+@pytest.mark.heavy
 def test_pretrained_sd3_folder_loads_every_part_and_t5_only_when_named(model, tmp_path):
     """A StableDiffusion3Pipeline folder (diffusers' own save_pretrained, with a toy T5): the default
     components load the transformer, VAE (scale and shift from its config), both CLIPs and tokenizers;
@@ -284,6 +288,7 @@ def test_family_options_are_checked():
     assert isinstance(build_model("mmdit-tiny", gradient_checkpointing=True), RectifiedFlowTransformer)
 
 
+@pytest.mark.heavy
 def test_transformer_flops_match_a_closed_form_count():
     """The counter's FLOPs for the tiny transformer equal a count by formula: every Linear and the patch
     convolution 2 x MACs forward, twice that backward (once without an input gradient: latents, text,
@@ -341,6 +346,7 @@ def test_sd3_medium_flops_are_plausible():
         training_flops_per_image("sd3-medium", 264)
 
 
+@pytest.mark.heavy
 def test_one_fsdp_unit_and_checkpointed_unit_per_transformer_block():
     with torch.device("meta"):
         transformer = build_components("sd3-medium")["transformer"]
@@ -359,6 +365,7 @@ def test_one_fsdp_unit_and_checkpointed_unit_per_transformer_block():
     )
 
 
+@pytest.mark.heavy
 def test_checkpointed_blocks_give_the_same_gradients():
     """What Composer applies under FSDP with activation_checkpointing (each block recomputed), without
     FSDP: the transformer's gradients do not change."""

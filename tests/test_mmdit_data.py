@@ -71,6 +71,7 @@ def test_the_columns_of_each_family():
     assert not has_t5(None)
 
 
+@pytest.mark.heavy
 def test_stored_columns_and_shapes(tiny_latents):
     row = read_mds(tiny_latents)[0]
     spec = PRESETS["mmdit-tiny"]
@@ -121,6 +122,7 @@ def _sd3_folder(folder) -> None:
     ).save_pretrained(folder)
 
 
+@pytest.mark.heavy
 def test_a_folder_with_t5_stores_its_context(shapes_mds, tmp_path):
     """--pretrained a folder with text_encoder_3/: `text_embeds_3` (t5_tokens, d_model) fp16 is what
     the model with T5 computes, and the stored context is the one it trains on from token ids."""
@@ -161,6 +163,7 @@ def test_a_folder_with_t5_stores_its_context(shapes_mds, tmp_path):
         convert_latents(shapes_mds / "mds", tmp_path / "x", [16], "mmdit-tiny", t5=True)
 
 
+@pytest.mark.heavy
 def test_random_sd3_latents_have_what_sd3_medium_reads(tmp_path):
     """`data.train.prepare: sd3-latents` (bench/gpu/gpu_check.py's data): 16-channel moments at 256 and
     512 px, the unpadded CLIP context and the pooled vector; a training forward of sd3-medium (on the

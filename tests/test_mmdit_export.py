@@ -97,6 +97,7 @@ def mmdit(tmp_path_factory):
     return model, checkpoint, ema, folder / "pipeline"
 
 
+@pytest.mark.heavy
 def test_the_record_rebuilds_the_mmdit_model(mmdit):
     model, checkpoint, _, _ = mmdit
     record = read_record(torch.load(checkpoint, weights_only=False)["state"])
@@ -129,6 +130,7 @@ def test_records_of_other_versions_are_refused(mmdit):
         rebuild({**record, "family": "flux"})
 
 
+@pytest.mark.heavy
 def test_ema_and_raw_weights(mmdit, tmp_path):
     model, checkpoint, ema, folder = mmdit
     raw = model.state_dict()
@@ -150,6 +152,7 @@ def test_ema_and_raw_weights(mmdit, tmp_path):
         assert all(torch.equal(v, raw[f"{name}.{k}"]) for k, v in state.items()), name
 
 
+@pytest.mark.heavy
 def test_pipeline_samples_like_generate(mmdit, caplog):
     _, checkpoint, _, folder = mmdit
     pipe = _pipeline(folder)
@@ -198,6 +201,7 @@ SHIFTS = {None: (3.0, 3.0), 2.5: (2.5, 2.5), "auto": (0.125, 0.0625)}
 
 
 @pytest.mark.parametrize("option", list(SHIFTS), ids=str)
+@pytest.mark.heavy
 def test_training_sampling_and_export_share_the_shift(option, tmp_path):
     """One shift per size for training's timesteps, generate's sampler and the exported scheduler:
     None the scheduler's (3 here), a number itself, auto sqrt(pixels / 256^2) at each size; the record
@@ -244,6 +248,7 @@ def test_training_sampling_and_export_share_the_shift(option, tmp_path):
     assert RectifiedFlowTransformer(**rebuild(record)).timestep_shift == option
 
 
+@pytest.mark.heavy
 def test_resuming_compares_the_shift_a_record_stands_for(caplog):
     """A timestep_shift of None is its scheduler's shift: resuming a checkpoint recorded with the
     explicit number is no change, another number is."""
@@ -283,6 +288,7 @@ def test_sample_grids_at_the_training_resolution_use_its_shift(tmp_path):
         SampleGrids(PROMPTS, resolution=0)
 
 
+@pytest.mark.heavy
 def test_an_unrecorded_mmdit_checkpoint_is_inferred_from_its_shapes(mmdit, tmp_path, caplog):
     model, checkpoint, _, _ = mmdit
     full = torch.load(checkpoint, weights_only=False)
@@ -317,6 +323,7 @@ def test_a_prediction_type_contradicting_the_record_is_an_error(mmdit, tmp_path)
 
 
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.heavy
 def test_generate_cli_on_checkpoint_and_folder(mmdit, tmp_path, capsys):
     _, checkpoint, _, folder = mmdit
     loaded = generate.load_model(folder)
@@ -355,6 +362,7 @@ def _tiny_t5():
     return T5EncoderModel(T5Config(**config)).eval(), tokenizer
 
 
+@pytest.mark.heavy
 def test_a_model_with_t5_round_trips(mmdit, tmp_path):
     """T5 from a pretrained folder: its config and its tokenizer's folder in the record, its weights in
     the checkpoint; the export has text_encoder_3 and tokenizer_3 and loads without being told anything,

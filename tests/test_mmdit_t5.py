@@ -53,6 +53,7 @@ def test_t5_tokenizer_builds_offline_and_round_trips(tmp_path):
     assert len(loaded) == len(tokenizer)
 
 
+@pytest.mark.heavy
 def test_the_preset_builds_its_t5_and_other_presets_stay_without():
     model = build_model("mmdit-tiny-t5")
     assert isinstance(model.text_encoder_3, T5EncoderModel) and not model.text_encoder_3.training
@@ -87,6 +88,7 @@ def _images_and_latents(shapes_mds, latents_dir, model):
     return by_key(images), by_key(latents)
 
 
+@pytest.mark.heavy
 def test_precomputed_latents_give_the_image_path_s_loss(shapes_mds, tmp_path):
     """`sd-convert latents --preset mmdit-tiny-t5 --t5` (random encoders, no --pretrained) stores T5's
     context beside both CLIPs'; the model with those encoders trains on it exactly what images and
@@ -180,6 +182,7 @@ def test_trains_from_images_and_its_checkpoint_exports_a_pipeline_with_t5(shapes
     torch.testing.assert_close(images, expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.heavy
 def test_sd3_medium_with_t5_hands_its_loader_t5_ids(shapes_mds):
     """yamls/sd3-medium.yaml with text_encoder_3 in pretrained_components passes the config checks, and
     the data path of the model it builds (on the meta device: shapes only; the folder's T5 tokenizer

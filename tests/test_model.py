@@ -30,6 +30,7 @@ def test_sd2_base_has_the_published_schedule():
         ("sd2-768-v", 865_910_724, 340_387_840, "v_prediction", "!"),  # stabilityai/stable-diffusion-2
     ],
 )
+@pytest.mark.heavy
 def test_other_published_architectures(preset, unet, text_encoder, prediction, pad):
     from accelerate import init_empty_weights
 
@@ -93,6 +94,7 @@ def test_v_prediction_target():
     torch.testing.assert_close(v, alphas.sqrt() * noise - (1 - alphas).sqrt() * latents)
 
 
+@pytest.mark.heavy
 def test_offset_noise_shifts_each_channel_by_a_constant():
     batch = _batch(build_model("tiny"))
     torch.manual_seed(2)
@@ -153,6 +155,7 @@ def test_min_snr_gamma_weights(prediction_type):
     torch.testing.assert_close(model.loss(outputs, batch), per_sample.mean().float(), rtol=1e-5, atol=0)
 
 
+@pytest.mark.heavy
 def test_zero_terminal_snr(monkeypatch, tmp_path):
     original = _sd2_alphas_cumprod()
     plain = build_model("tiny").noise_scheduler.alphas_cumprod
@@ -215,6 +218,7 @@ def test_zero_terminal_snr(monkeypatch, tmp_path):
     assert loaded.noise_scheduler.alphas_cumprod[-1] == 0
 
 
+@pytest.mark.heavy
 def test_pretrained_components_from_a_local_folder(tmp_path):
     source = build_model("tiny")
     for name in ("unet", "vae", "text_encoder", "tokenizer"):
@@ -264,6 +268,7 @@ def test_speed_and_memory_switches():
 
 
 @pytest.mark.parametrize("sampler", ["ddim", "euler", "dpm++"])
+@pytest.mark.heavy
 def test_generate_is_seeded(sampler):
     model = build_model("tiny")
     a = model.generate(["a red circle"], num_inference_steps=3, seed=1, sampler=sampler)
@@ -274,6 +279,7 @@ def test_generate_is_seeded(sampler):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "sdxl-tiny", "flux-tiny"])
+@pytest.mark.heavy
 def test_a_checkpoint_of_transformers_4_loads(preset):
     """Checkpoints written before the move to transformers 5 name a CLIPTextModel's weights
     `text_encoder.text_model.*` (5 dropped that level; CLIPTextModelWithProjection keeps it): they

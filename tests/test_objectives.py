@@ -193,6 +193,7 @@ def test_flow_options_refused():
         RectifiedFlow(FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True))
 
 
+@pytest.mark.heavy
 def test_models_forward_their_objective_attributes():
     from models import build_model
 

@@ -47,6 +47,7 @@ def _run_json(capsys, yaml, *args) -> list[dict]:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.heavy
 def test_sd2_base_numbers_for_8_to_256_gpus(sd2_yaml, capsys):
     rows = _run_json(capsys, sd2_yaml, "--img-per-sec-per-gpu", str(IMG_PER_SEC_PER_GPU))
     images = 550_000 * 2048
@@ -78,6 +79,7 @@ def test_json_rows_have_exactly_the_keys_and_the_microbatch_each_count_uses(sd2_
     assert [row["grad_accum"] for row in rows] == [16, 8, 4, 2, 1, 1]
 
 
+@pytest.mark.heavy
 def test_the_sd2_base_recipe_plans_on_8_to_256_gpus_unchanged(capsys):
     """The issue's command, on the real recipe: no error row and exit status 0, with the microbatch
     each count uses (sd2-base's cap of 32)."""
@@ -96,6 +98,7 @@ def test_the_sd2_base_recipe_plans_on_8_to_256_gpus_unchanged(capsys):
     assert "microbatch: at most 32 (trainer.device_train_microbatch_size)" in out
 
 
+@pytest.mark.heavy
 def test_the_sdxl_base_recipe_plans_on_8_to_256_gpus(capsys):
     """SDXL's recipe (global batch 2048, microbatch cap 4) on 8-256 GPUs: no error row."""
     main([str(REPO / "yamls/sdxl-base.yaml"), "--gpus", *map(str, GPUS), "--img-per-sec-per-gpu", "10"])
@@ -105,6 +108,7 @@ def test_the_sdxl_base_recipe_plans_on_8_to_256_gpus(capsys):
     assert table == {str(n): [str(2048 // n), "4", str(2048 // n // 4)] for n in GPUS}
 
 
+@pytest.mark.heavy
 def test_the_sd3_medium_recipe_plans_on_8_to_256_gpus(capsys):
     main([str(REPO / "yamls/sd3-medium.yaml"), "--gpus", *map(str, GPUS), "--img-per-sec-per-gpu", "50"])
     out = capsys.readouterr().out
@@ -112,6 +116,7 @@ def test_the_sd3_medium_recipe_plans_on_8_to_256_gpus(capsys):
 
 
 @pytest.mark.parametrize("recipe, preset", [("sdxl-base", "sdxl-base"), ("sd3-medium", "sd3-medium")])
+@pytest.mark.heavy
 def test_a_rate_not_measured_on_the_preset_is_noted_above_the_table(recipe, preset, tmp_path, capsys):
     """Planning sdxl-base or sd3-medium with SD2's published rate (the flag), or with a throughput
     file bench/throughput.py wrote for sd2-base, says so above the table: no rate of theirs is
@@ -384,6 +389,7 @@ def test_throughput_benchmark_writes_what_the_planner_reads(shapes_mds, tmp_path
     assert row["days"] == pytest.approx(row["images"] / (8 * record["img_per_sec_per_gpu"]) / 86400)
 
 
+@pytest.mark.heavy
 def test_a_lora_recipe_prices_the_adapter_as_what_trains(capsys):
     """yamls/sd2-lora.yaml: the adapter's weights, gradients and AdamW state are megabytes, the frozen
     UNet, VAE and text encoder gigabytes (the planner checks model.lora with the preset's family)."""

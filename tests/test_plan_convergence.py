@@ -46,6 +46,7 @@ def test_samples_to_converge_between_and_outside_the_points():
         assert "\n" not in str(err.value)
 
 
+@pytest.mark.heavy
 def test_the_mlperf_recipe_is_priced_from_the_reference_runs_at_its_batch(capsys):
     """yamls/flux-schnell-mlperf.yaml on 8..256 GPUs: every row trains its global batch of 1024 to the
     target, 8.49 M samples (not max_duration's 30.7 M), and the days follow from the measured rate."""
@@ -94,6 +95,7 @@ def test_per_gpu_batch_prices_each_count_at_its_own_batch(capsys):
     assert "optimizer.lr=0.0002 scheduler.t_warmup=1600ba" in out
 
 
+@pytest.mark.heavy
 def test_a_run_without_the_target_is_priced_by_max_duration(capsys):
     """Without the quality target (or at another resolution) the reference runs do not apply: the
     planner prices max_duration as for any recipe, and --per-gpu-batch is a one-line config error."""

@@ -167,6 +167,7 @@ def test_what_divides_by_the_shard_and_what_does_not(capsys):
     assert alone["gradients"] == alone["weights"]
 
 
+@pytest.mark.heavy
 def test_gpu_memory_refuses_the_shapes_that_do_not_fit(capsys, caplog):
     yaml = str(REPO / "yamls/sd3-medium.yaml")
     with pytest.raises(SystemExit) as exit_:
@@ -235,6 +236,7 @@ TINY_BATCH = ["global_train_batch_size=256", "trainer.device_train_microbatch_si
 SHARDED_RECOMPUTED = ["parallelism.shard=node", "model.activation_checkpointing=blocks"]
 
 
+@pytest.mark.heavy
 def test_the_advice_names_only_what_the_recipe_does_not_have(capsys):
     """Issue 47: where nothing fits, the advice named sharding and recomputed blocks to a recipe that
     had both. Now it names the one change left (a smaller microbatch), and, where nothing it knows of
@@ -284,6 +286,7 @@ H100_PEAKS_GIB = {
 
 
 @pytest.mark.parametrize("step, resolution, microbatch", H100_PEAKS_GIB)
+@pytest.mark.heavy
 def test_the_planner_bounds_the_peaks_measured_on_an_h100(step, resolution, microbatch, capsys):
     """The planner's bf16 activations against the GPU: its total is at or above each measured peak,
     by at most 10% (it counts the gradients beside all the activations, which one microbatch a step

@@ -76,6 +76,7 @@ REQUIRED = {
 
 
 @pytest.mark.parametrize("name", sorted(REQUIRED))
+@pytest.mark.heavy
 def test_recipe_composes_and_validates(name):
     assert sorted(p.stem for p in YAMLS.glob("*.yaml") if not p.stem.startswith("_")) == sorted(REQUIRED)
     run = parse_config(load_config(YAMLS / f"{name}.yaml", REQUIRED[name]))

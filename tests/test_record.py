@@ -43,6 +43,7 @@ def test_a_training_run_records_its_model_in_every_checkpoint(tiny_checkpoint):
     assert record["tokenizer"]["pad_token"] == "!"
 
 
+@pytest.mark.heavy
 def test_a_v_prediction_zero_terminal_snr_checkpoint_rebuilds_without_flags(v_ztsnr):
     model, checkpoint, _ = v_ztsnr
     loaded = load_model_from_checkpoint(checkpoint)
@@ -60,6 +61,7 @@ def test_the_export_of_such_a_run_has_its_schedule(v_ztsnr):
     assert scheduler.rescale_betas_zero_snr is True and scheduler.timestep_spacing == "trailing"
 
 
+@pytest.mark.heavy
 def test_pipeline_with_guidance_rescale_samples_like_generate(v_ztsnr):
     model, _, pipeline = v_ztsnr
     expected = model.generate(PROMPTS, guidance_scale=4.0, num_inference_steps=5, seed=3)  # rescale 0.7
@@ -101,6 +103,7 @@ def test_a_flag_that_contradicts_the_record_is_an_error(v_ztsnr, flags, message)
     load_model_from_checkpoint(v_ztsnr[1], prediction_type="v_prediction", preset="tiny")  # agreeing: fine
 
 
+@pytest.mark.heavy
 def test_an_old_checkpoint_loads_by_inference_with_a_warning(v_ztsnr, tmp_path, caplog):
     full = torch.load(v_ztsnr[1], weights_only=False)
     del full["state"]["callbacks"]

@@ -38,6 +38,7 @@ def model(request):
     return model
 
 
+@pytest.mark.heavy
 def test_a_batchs_loss_is_the_same_split_permuted_or_on_another_process(model):
     batch = _batch(model, [40, 7, 12, 3, 99, 5, 61, 8])
     whole = _loss(model, batch)

@@ -49,6 +49,7 @@ def test_microbatch_is_a_cap_the_largest_divisor_not_above_it_is_used():
     assert plan_batches(14, 2, 4) == BatchPlan(7, 1, 7)  # a prime per-device batch: microbatches of 1
 
 
+@pytest.mark.heavy
 def test_the_trainer_gets_the_microbatch_used_and_the_log_says_so(shapes_mds, monkeypatch, caplog):
     """composer.Trainer receives the effective microbatch, not the YAML's cap (which Composer would
     run as given: one microbatch larger than the batch, or a smaller last one)."""

@@ -88,6 +88,7 @@ def test_micro_conditioning_reaches_the_unet_in_sdxl_order(model):
     assert time_ids.tolist() == [[32, 64, 0, 0, 32, 64]]
 
 
+@pytest.mark.heavy
 def test_flops_count_the_sdxl_unet_with_its_added_conditioning():
     from models.flops import training_flops_per_image
 

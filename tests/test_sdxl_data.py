@@ -174,6 +174,7 @@ def test_without_the_flags_samples_are_as_before(converted, tmp_path):
         assert "input_ids_2" not in sample  # no second tokenizer given
 
 
+@pytest.mark.heavy
 def test_the_trainer_hands_each_model_its_keys(shapes_mds):
     for recipe, sdxl in (("tiny-sdxl-cpu", True), ("tiny-cpu", False)):
         run = parse_config(load_config(REPO / f"yamls/{recipe}.yaml", tiny_run(shapes_mds, 1)))
@@ -188,6 +189,7 @@ def test_the_trainer_hands_each_model_its_keys(shapes_mds):
 
 
 @pytest.mark.parametrize("layout", ["plain", "bucketed"])
+@pytest.mark.heavy
 def test_sdxl_tiny_precomputed_latents_give_the_image_paths_loss(converted, layout, tmp_path):
     """`sd-convert latents --preset sdxl-tiny` stores both encoders' context, the pooled vector and the
     micro-conditioning the image path computes; trained on, the same loss for the same draws."""

@@ -63,6 +63,7 @@ def sdxl(tmp_path_factory):
     return model, checkpoint, folder / "pipeline"
 
 
+@pytest.mark.heavy
 def test_the_record_holds_what_sdxl_adds(sdxl):
     """Its version, the second text encoder, both tokenizers' paddings, the UNet's added conditioning
     (that the record rebuilds the model: tests/test_families.py)."""
@@ -79,6 +80,7 @@ def test_an_sd_record_stays_version_1():
     assert record["version"] == 1 and record["family"] == "sd" and "text_encoder_2" not in record
 
 
+@pytest.mark.heavy
 def test_pipeline_samples_like_generate(sdxl):
     model, _, folder = sdxl
     pipe = _pipeline(folder)
@@ -97,6 +99,7 @@ def test_pipeline_samples_like_generate(sdxl):
     )
 
 
+@pytest.mark.heavy
 def test_an_unrecorded_sdxl_checkpoint_is_inferred_from_its_shapes(sdxl, tmp_path, caplog):
     model, checkpoint, _ = sdxl
     full = torch.load(checkpoint, weights_only=False)
@@ -136,6 +139,7 @@ def test_sdxl_base_is_inferred_from_its_shapes():
     assert infer_preset(weights) == "sdxl-base"
 
 
+@pytest.mark.heavy
 def test_finetuning_loads_every_part_of_an_sdxl_folder(sdxl):
     model, _, folder = sdxl
     torch.manual_seed(1)  # the preset's random init would differ from the folder's weights
@@ -196,6 +200,7 @@ def lora(sdxl, tmp_path_factory):
     return model, _checkpoint_of(model, out / "ckpt.pt"), losses
 
 
+@pytest.mark.heavy
 def test_a_lora_adapter_trains_on_the_sdxl_unet(lora):
     model, checkpoint, losses = lora
     adapter = {k for k, p in model.named_parameters() if p.requires_grad}
@@ -206,6 +211,7 @@ def test_a_lora_adapter_trains_on_the_sdxl_unet(lora):
     assert set(saved) == adapter | {"latent_scale"}  # no frozen network, no text_encoder_2
 
 
+@pytest.mark.heavy
 def test_diffusers_loads_the_sdxl_lora_file(sdxl, lora, tmp_path):
     _, _, folder = sdxl
     model, checkpoint, _ = lora
@@ -277,6 +283,7 @@ def test_the_sdxl_lora_recipe_trains_and_exports_what_diffusers_loads(sdxl, shap
     torch.testing.assert_close(_pipe_images(pipe, seed=5), expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.heavy
 def test_a_folder_without_zeros_for_the_empty_prompt_keeps_its_unconditional_branch(sdxl, tmp_path):
     """A folder whose pipeline sets force_zeros_for_empty_prompt=false (it guides away from the empty
     prompt's embeddings): fine-tuning from it drops captions to those embeddings, generate() samples

@@ -65,6 +65,7 @@ def _step(unet) -> None:
 
 
 @pytest.mark.parametrize("preset", ["tiny", "sdxl-tiny"])
+@pytest.mark.heavy
 def test_checkpointed_blocks_give_the_same_gradients(preset):
     """Non-reentrant checkpointing (what the recipes configure) recomputes each block and gives the
     unsharded UNet's gradients."""
@@ -75,6 +76,7 @@ def test_checkpointed_blocks_give_the_same_gradients(preset):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.heavy
 def test_reentrant_checkpointing_breaks_the_unet_backward():
     """Why recipes/checks.py refuses FSDP activation checkpointing unless it is non-reentrant: the
     reentrant wrapper returns a down block's skip connections (inside a nested tuple) detached, and

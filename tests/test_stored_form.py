@@ -32,6 +32,7 @@ from recipes.prepare import prepare_random_latents
         ("flux-dev", False, {"text_embeds": (512, 4096), "pooled_text_embeds": (768,)}),
     ],
 )
+@pytest.mark.heavy
 def test_the_full_presets_stored_form(preset, t5, expected):
     assert stored_shapes(preset, t5) == expected
 
@@ -46,6 +47,7 @@ TINY = [
 
 
 @pytest.mark.parametrize(("preset", "t5"), TINY)
+@pytest.mark.heavy
 def test_random_latents_are_what_convert_stores_and_the_model_trains_on(tmp_path, preset, t5):
     """For a tiny preset of every family: the random set's text columns have the shapes the real
     encoders' stored form has (convert.latents' own call), and the preset's model trains on a batch."""
@@ -69,6 +71,7 @@ def test_flux_schnell_random_latents_hold_t5_s_context_and_clip_s_pooled_vector(
     assert sample["text_embeds"].shape == (256, 4096) and sample["pooled_text_embeds"].shape == (768,)
 
 
+@pytest.mark.heavy
 def test_frozen_flops_run_t5_at_the_presets_length():
     """The frozen forwards are the VAE encoder and the conditioner's encoders, each at the length it
     reads: flux-tiny's CLIP at 77 tokens, its T5 at the preset's 8 (not 77); flux-dev's 512 T5 tokens

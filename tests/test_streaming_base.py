@@ -47,6 +47,7 @@ def close(ids: Ids) -> None:
 
 
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.subprocess)])
+@pytest.mark.heavy
 def test_the_order_is_streamings_own_over_two_epochs(ids_mds, workers):
     orders = {}
     for direct in (False, True):
@@ -62,6 +63,7 @@ def test_the_order_is_streamings_own_over_two_epochs(ids_mds, workers):
     assert orders[True] == orders[False]
 
 
+@pytest.mark.heavy
 def test_a_mid_epoch_resume_continues_streamings_order(ids_mds):
     runs = {}
     for direct in (False, True):

@@ -83,6 +83,7 @@ def varied_captions(n: int = 400, seed: int = 0) -> list[str]:
 
 
 @pytest.mark.parametrize("pad_token", ["!", "<|endoftext|>"])  # SD2, SD1
+@pytest.mark.heavy
 def test_saved_tokenizer_loads_back_with_the_same_ids(tmp_path, pad_token):
     """What an exported pipeline carries gives the training ids (transformers 5: one Rust tokenizer),
     for captions that break tokenizers, pickled as a spawned DataLoader worker gets it."""

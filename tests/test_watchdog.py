@@ -177,6 +177,7 @@ def _trainer_options(*overrides: str) -> dict:
     return parse_config(config).trainer
 
 
+@pytest.mark.heavy
 def test_the_collective_timeout_is_derived_from_the_watchdog_in_one_place():
     watchdog = HangWatchdog()
     assert watchdog.collective_timeout_s == max(600.0, 1800.0, 1800.0) + MARGIN_S
