@@ -25,7 +25,7 @@ OBJECTIVE_OPTIONS = {"ddpm": DDPM_OPTIONS, "flow": FLOW_OPTIONS}
 DENOISERS = ("unet", "transformer")
 # Components a family's model may go without: SD3's T5, built only by a `bundled_t5` preset.
 OPTIONAL = ("text_encoder_3", "tokenizer_3")
-# The model card an export writes beside the pipeline (models/families/*/folder.py); its front matter
+# The model card an export writes beside the pipeline (models/engine/flow_folder.py); its front matter
 # holds the call arguments (max_sequence_length).
 README = "README.md"
 
@@ -62,7 +62,8 @@ class Family:
     samplers: tuple[str, ...] = tuple(SAMPLERS)  # the first is the default
     guidance_rescale: bool = True  # generate's guidance rescale (Lin et al. 2023) applies
     # Writes an export folder (model, folder, shown_as=the folder's final name) when the pipeline is not
-    # built from `model.pipeline_parts()` (models/export.py).
+    # built from `model.pipeline_parts()` (models/export.py): a flow family's is
+    # models/engine/flow_folder.py's `flow_folder_writer(pipeline, components, model_card, usage)`.
     save_folder: Callable | None = None
     # `model.init` rules for a denoiser trained from scratch: name -> fn(denoiser), in place. Unset
     # (null), diffusers' own initialisation.
