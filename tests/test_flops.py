@@ -97,6 +97,7 @@ def test_tiny_is_positive_and_smaller():
     assert flops.training_flops_per_image("tiny", 256) < flops.training_flops_per_image("sd2-base", 256)
 
 
+@pytest.mark.heavy
 def test_frozen_forwards_are_counted_separately():
     frozen = flops.frozen_flops_per_image("sd2-base", 256)
     assert 0 < frozen < flops.training_flops_per_image("sd2-base", 256)

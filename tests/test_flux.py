@@ -81,6 +81,7 @@ def test_a_full_preset_s_t5_tokenizer_comes_from_a_folder():
         build_model("flux-schnell")
 
 
+@pytest.mark.heavy
 def test_flux_flops_are_the_analytic_count():
     """flux-schnell at MLPerf's 256 px (32 x 32 latents -> 256 image tokens, 256 T5 tokens): each of the
     57 blocks' token-wise matmuls are 12 D^2 per token (double-stream blocks: each stream's on its own

@@ -71,6 +71,7 @@ def test_sd2_base_numbers_for_8_to_256_gpus(sd2_yaml, capsys):
     assert rows[-1]["days"] * 24 == pytest.approx(8.89, abs=0.005)
 
 
+@pytest.mark.heavy
 def test_json_rows_have_exactly_the_keys_and_the_microbatch_each_count_uses(sd2_yaml, capsys):
     rows = _run_json(capsys, sd2_yaml, "--img-per-sec-per-gpu", "137.5")
     assert all(list(row) == ROW_KEYS for row in rows)
@@ -147,6 +148,7 @@ def test_a_rate_not_measured_on_the_preset_is_noted_above_the_table(recipe, pres
     assert "note:" not in capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_the_note_goes_to_the_log_with_json(capsys, caplog):
     main([str(REPO / "yamls/sdxl-base.yaml"), "--gpus", "8", "--json", "--img-per-sec-per-gpu", "137.5"])
     assert json.loads(capsys.readouterr().out)[0]["gpus"] == 8  # stdout stays JSON

@@ -63,6 +63,7 @@ def test_the_mlperf_recipe_is_priced_from_the_reference_runs_at_its_batch(capsys
     assert rows[1]["days"] * 24 * 60 == pytest.approx(147.4, abs=0.05)
 
 
+@pytest.mark.heavy
 def test_the_table_says_where_the_samples_come_from_and_the_time_to_train(capsys):
     main([str(MLPERF), "--img-per-sec-per-gpu", str(RATE), "--gpus", "64", "256"])
     out = capsys.readouterr().out

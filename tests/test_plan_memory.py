@@ -128,6 +128,7 @@ def test_the_memory_columns_are_the_measured_peak_of_a_tiny_step(case, shapes_md
     assert measured["activations"] > 0.3 * measured["peak"]  # large enough to be tested by the bound
 
 
+@pytest.mark.heavy
 def test_sd3_medium_and_flux_against_the_published_arithmetic(capsys):
     """fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter, so ~32.5 GB for SD3
     medium's 2.03 B (yamls/sd3-medium.yaml's comment) and ~190 GB for Flux's 11.9 B (issue 39). No Flux

@@ -7,6 +7,7 @@ from transformers import CLIPTokenizer
 from models.engine.tokenizer import MAX_LENGTH, build_tokenizer, tokenize
 
 
+@pytest.mark.heavy
 def test_offline_clip_tokenizer_matches_open_clip():
     from open_clip.tokenizer import SimpleTokenizer
 
@@ -99,6 +100,7 @@ def test_saved_tokenizer_loads_back_with_the_same_ids(tmp_path, pad_token):
     assert torch.equal(tokenize(restored, captions), ids)
 
 
+@pytest.mark.heavy
 def test_ascii_captions_get_open_clips_ids():
     """Without ftfy (transformers 5), captions of printable ASCII without "!" and "&" still get
     open_clip's ids, SD2's own tokenizer."""

@@ -8,7 +8,7 @@
   server      starts a server process: SeaweedFS (tests/s3_server.py), a Slurm cluster
   heavy       none of these, but takes more than ~1.5 CPU-seconds (a full-size model on the meta
               device, a tiny model trained or exported, a compile): marked by hand, from a measured
-              `--durations=0` of the fast tier (115 functions on 2026-11-29, 684 of its 822 CPU-seconds)
+              `--durations` of the fast tier (123 functions on 2026-11-29)
 
 Tests are marked from the fixtures they use (FIXTURE_MARKS; fixtures of fixtures count too), or by
 hand with `@pytest.mark.fit` etc. An unmarked test that builds a Trainer or starts a process fails with
