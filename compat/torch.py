@@ -20,11 +20,15 @@
   (`raise_recompile_limit`, for models/build.py's compile).
 - `nn.Module._compiled_call_impl`: set by `Module.compile()` (in place); tests check it
   (`is_compiled`).
+- `torch.fx.experimental._config.meta_nonzero_assume_all_nonzero`: on the meta device, nonzero (and
+  so boolean-mask indexing) selects every element instead of refusing; models/flop_count.py counts a
+  model whose condition keeps only a caption's real tokens at its longest (`meta_selects_all`).
 
 `torch._foreach_*` (extensions/ema.py, extensions/master_weights.py, extensions/persistent_grads.py) is
 left out: documented and stable in practice.
 """
 
+import contextlib
 import importlib
 from typing import Any
 
@@ -68,6 +72,16 @@ def uses_orig_params(module: FSDP) -> bool:
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether `module.compile()` has been called on `module` (nn.Module.compile works in place)."""
     return module._compiled_call_impl is not None
+
+
+@contextlib.contextmanager
+def meta_selects_all():
+    """Inside: a data-dependent selection of meta tensors (nonzero, `x[mask]`) keeps every element,
+    where torch otherwise raises (the meta device holds no values to select by)."""
+    from torch.fx.experimental import _config
+
+    with _config.patch(meta_nonzero_assume_all_nonzero=True):
+        yield
 
 
 def raise_recompile_limit(at_least: int) -> int:

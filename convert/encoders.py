@@ -31,7 +31,17 @@ class Encoders:
 
     vae_moments = LatentDiffusion.vae_moments
 
-    def __init__(self, family, vae, *, t5_tokens=None, text_encoder_3=None, tokenizer_3=None, **text_parts):
+    def __init__(
+        self,
+        family,
+        vae,
+        *,
+        t5_tokens=None,
+        text_tokens=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+        **text_parts,
+    ):
         names = family.conditioner.text_parts
         if sorted(text_parts) != sorted(names):
             raise TypeError(
@@ -48,6 +58,7 @@ class Encoders:
             setattr(self, name, part)
         self.text_encoder_3, self.tokenizer_3 = text_encoder_3, tokenizer_3
         self.t5_tokens = None if t5_tokens is None else int(t5_tokens)
+        self.text_tokens = None if text_tokens is None else int(text_tokens)  # an LLM's (Z-Image's)
 
     def to(self, device, dtype: torch.dtype | None = None) -> "Encoders":
         """On `device` (and cast to `dtype` when given), in eval mode."""
@@ -190,7 +201,8 @@ def encoders_of(model) -> Encoders:
     parts = {name: getattr(model, name) for name in family.conditioner.text_parts}
     if family.reads_t5 and model.text_encoder_3 is not None:
         parts.update(text_encoder_3=model.text_encoder_3, tokenizer_3=model.tokenizer_3)
-    return Encoders(family, model.vae, t5_tokens=getattr(model, "t5_tokens", None), **parts)
+    lengths = {key: getattr(model, key, None) for key in ("t5_tokens", "text_tokens")}
+    return Encoders(family, model.vae, **lengths, **parts)
 
 
 def check_encoder_flags(preset: str, pretrained: str | None, t5: bool) -> None:

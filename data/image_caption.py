@@ -16,7 +16,8 @@ sample holds `image` and `input_ids` only (what SD1/SD2 read).
 
 A model that reads T5 (an mmdit model with `text_encoder_3`, a flux model) reads `input_ids_3` too:
 T5's ids of the caption, `t5_tokens` long (`t5_tokenizer`: SD3's tokenizer_3, Flux's tokenizer_2),
-as the pipelines tokenize with max_sequence_length=t5_tokens.
+as the pipelines tokenize with max_sequence_length=t5_tokens. A model whose text encoder is an LLM
+(zimage) gives its own `caption_ids` (caption -> columns: the chat prompt's ids) instead of CLIP's.
 """
 
 import functools
@@ -100,6 +101,7 @@ class ImageCaptionDataset(StreamingBase):
         micro_conditioning: bool = False,
         t5_tokenizer=None,
         t5_tokens: int | None = None,
+        caption_ids=None,
         **streaming_kwargs,
     ):
         super().__init__(**streaming_kwargs)
@@ -110,6 +112,9 @@ class ImageCaptionDataset(StreamingBase):
         if t5_tokenizer is not None and not t5_tokens:
             raise ValueError("t5_tokenizer needs t5_tokens, the length of its ids")
         self.t5_tokenizer, self.t5_tokens = t5_tokenizer, t5_tokens
+        # caption -> its id columns, in place of `tokenizer`'s 77 CLIP ids (an LLM conditioner's chat
+        # prompt: models/engine/llm_conditioner.py CaptionIds)
+        self.caption_ids = caption_ids
         self.image_key, self.caption_key = image_key, caption_key
         self.transform = image_transform(resolution)
         self.hflip = hflip
@@ -120,7 +125,9 @@ class ImageCaptionDataset(StreamingBase):
         self._token_ids_3 = functools.lru_cache(maxsize=TOKEN_CACHE_SIZE)(self._tokenize_3)
 
     def _tokenize(self, caption: str):
-        return tokenize(self.tokenizer, [caption])[0]
+        if self.caption_ids is not None:
+            return self.caption_ids(caption)
+        return {"input_ids": tokenize(self.tokenizer, [caption])[0]}
 
     def _tokenize_2(self, caption: str):
         return tokenize(self.tokenizer_2, [caption])[0]
@@ -132,16 +139,21 @@ class ImageCaptionDataset(StreamingBase):
         return _flip_decision(index, max(self.next_epoch - 1, 0))
 
     def __getitem__(self, index):
+        return self._sample(index, self.hflip and self._flips(index))
+
+    def unaugmented(self, index: int) -> dict:
+        return self._sample(index, False)
+
+    def _sample(self, index, flip: bool) -> dict:
         sample = super().__getitem__(index)
         image = sample[self.image_key]  # encoded bytes, or an image for MDS's jpeg/png/pil columns
-        flip = self.hflip and self._flips(index)
         if self.sizes is None:  # uint8: the model makes [-1, 1] floats of it on the device
             crop = square_crop(image, self.transform.resolution, flip)
         else:  # this sample's stream is one bucket; floats
             shard, _ = self.spanner[index]
             crop = bucket_crop(image, *self.sizes[self.stream_per_shard[shard]], flip)
         caption = sample[self.caption_key]
-        out = {"image": crop.pixels, "input_ids": self._token_ids(caption).clone()}
+        out = {"image": crop.pixels, **{k: v.clone() for k, v in self._token_ids(caption).items()}}
         if self.tokenizer_2 is not None:
             out["input_ids_2"] = self._token_ids_2(caption).clone()
         if self.t5_tokenizer is not None:

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 import torch
 from streaming import Stream
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
+from compat.streaming import World
 from data.buckets import bucket_ratio, bucket_size, check_size
+from data.holdout import HeldOut, held_out_ids, leave_out
 from data.image_caption import ImageCaptionDataset
 from data.latent_dataset import LatentsDataset
 from data.streams import check_settings, resolve_streams, streaming_settings
@@ -38,6 +40,9 @@ class ImageCaptionDataConfig:
     caption_key: str = "caption"
     prepare: str | None = None  # a name in recipes.prepare.PREPARERS: build `local` if missing
     latents: bool = False  # read precomputed `latents_{resolution}` + `text_embeds` (convert latents)
+    # Samples kept out of training and evaluated as the run's held-out set: a fraction 0 < f < 1 or
+    # a number of samples; the same ones on every rerun and process count (data/holdout.py).
+    holdout: float | int | None = None
     # Streaming settings; None leaves streaming's default. yamls/_base.yaml sets them.
     cache_limit: str | int | None = None
     predownload: int | None = None
@@ -58,6 +63,14 @@ class EvalDataConfig(ImageCaptionDataConfig):
     hflip: bool = False
     shuffle: bool = False
     drop_last: bool = False
+
+    def __post_init__(self):
+        if self.holdout is not None:
+            raise ValueError(
+                "holdout: data.eval is evaluated whole; to keep part of the training set out and "
+                "evaluate it, set data.train.holdout"
+            )
+        super().__post_init__()
 
 
 def bucket_sizes(cfg: ImageCaptionDataConfig, labels, multiple: int) -> dict[str, tuple[int, int]]:
@@ -83,12 +96,14 @@ def build_image_caption_dataloader(
     micro_conditioning: bool = False,
     t5_tokenizer=None,
     t5_tokens: int | None = None,
+    caption_ids=None,
 ) -> DataLoader:
     """A DataLoader over the configured set(s) (recipes.prepare.ensure_dataset checks them);
     `batch_size` is per device; `size_multiple` is what bucket sizes must be multiples of.
     `tokenizer_2` and `micro_conditioning`: what an SDXL model reads besides (data/image_caption.py);
     `t5_tokenizer` and `t5_tokens`: T5's ids, for a model that reads T5 (SD3's optional `tokenizer_3`,
-    Flux's `tokenizer_2`);
+    Flux's `tokenizer_2`); `caption_ids`: caption -> id columns, instead of `tokenizer`'s (an LLM's chat
+    prompt, models/engine/llm_conditioner.py);
     precomputed latents hold it already (data/latent_dataset.py)."""
     streaming = dict(
         shuffle=cfg.shuffle,
@@ -119,8 +134,12 @@ def build_image_caption_dataloader(
             micro_conditioning=micro_conditioning,
             t5_tokenizer=t5_tokenizer,
             t5_tokens=t5_tokens,
+            caption_ids=caption_ids,
             **streaming,
         )
+    if cfg.holdout is not None and split == "train":
+        # Every rank keys the same global sample ids, so all leave out the same ones (data/holdout.py).
+        leave_out(dataset, held_out_ids(dataset.num_samples, cfg.holdout), World.detect().num_ranks)
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -130,6 +149,25 @@ def build_image_caption_dataloader(
         persistent_workers=cfg.num_workers > 0,
         # Page-locked batches: the host-to-GPU copy can run asynchronously (Composer copies with
         # non_blocking=True); nothing to gain without a GPU.
+        pin_memory=torch.cuda.is_available(),
+    )
+
+
+def build_holdout_dataloader(train: DataLoader, cfg: ImageCaptionDataConfig) -> DataLoader:
+    """The samples `data.train.holdout` keeps out of `train`'s dataset, each once per evaluation, in
+    order and unaugmented, read through that dataset (its cache, its downloads). Split over the ranks
+    as torch's DistributedSampler splits a set: a count the number of processes does not divide
+    repeats its first few samples on the last ranks, so every rank runs as many batches."""
+    view = HeldOut(train.dataset)
+    world = World.detect()
+    return DataLoader(
+        view,
+        batch_size=train.batch_size,
+        sampler=DistributedSampler(view, world.num_ranks, world.rank, shuffle=False, drop_last=False),
+        collate_fn=collate,
+        num_workers=cfg.num_workers,
+        drop_last=False,
+        persistent_workers=cfg.num_workers > 0,
         pin_memory=torch.cuda.is_available(),
     )
 

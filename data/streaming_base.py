@@ -44,6 +44,7 @@ import torch.distributed
 from streaming import StreamingDataset
 
 from compat.streaming import World, epoch_sample_ids, shm_prefix, stop_epoch_threads
+from data.holdout import without_held
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PREFIX_LOCK = os.path.join(SHM_DIR, "sd-recipes-streaming-prefix.lock")
@@ -102,11 +103,23 @@ def prefix_registration_lock():
 class StreamingBase(StreamingDataset):
     # False: always streaming's threaded iteration (the test compares the two).
     iterate_local_directly = True
+    # data.train.holdout: the sorted global sample ids every epoch leaves out (data/holdout.py), or None.
+    held_out = None
 
     def __init__(self, **streaming_kwargs):
         with prefix_registration_lock():
             super().__init__(**streaming_kwargs)
             hold_prefix(shm_prefix(self), self)
+
+    def resample_streams(self, epoch: int, stream_id: int | None = None):
+        # Every batching method draws an epoch's sample ids here, so dropping the held-out ones here
+        # keeps them out of training whatever the batching, shuffle or resume point.
+        units, ids = super().resample_streams(epoch, stream_id)
+        return (units, ids) if self.held_out is None else without_held(units, ids, self.held_out)
+
+    def unaugmented(self, index: int) -> dict[str, Any]:
+        """Sample `index` as an evaluation reads it (a held-out sample: data/holdout.py)."""
+        return self[index]
 
     def _all_local(self) -> bool:
         return all(stream.remote in (None, stream.local) for stream in self.streams)

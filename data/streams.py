@@ -22,6 +22,7 @@ from pathlib import Path
 
 from compat.streaming import SHUFFLE_ALGOS, CloudDownloader, bytes_to_int
 from data.buckets import bucket_ratio
+from data.holdout import check_holdout
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,26 @@ def check_settings(cfg) -> None:
             "buckets: true needs batching_method: per_stream (every batch from one bucket), "
             f"got {cfg.batching_method!r}"
         )
+    if getattr(cfg, "holdout", None) is not None:
+        _check_holdout(cfg)
+
+
+def _check_holdout(cfg) -> None:
+    """A holdout this data config can keep out of every epoch (data/holdout.py)."""
+    check_holdout(cfg.holdout)
+    if cfg.buckets:
+        raise ValueError(
+            "holdout: not with buckets: true (a held-out batch would mix bucket sizes); evaluate a "
+            "set of your own instead: data.eval, converted with sd-convert --buckets"
+        )
+    for name, stream in (cfg.streams or {}).items():
+        fractional = stream.get("repeat") is not None and stream["repeat"] % 1
+        if stream.get("proportion") is not None or stream.get("choose") is not None or fractional:
+            raise ValueError(
+                f"holdout: streams.{name} draws a different part of its samples each epoch (a proportion, "
+                "a choose or a fractional repeat), from which no fixed set can be held out; weight the "
+                "streams by a whole repeat or not at all, or evaluate a set of your own (data.eval)"
+            )
 
 
 def _configured(cfg) -> dict[str, dict]:

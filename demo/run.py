@@ -86,6 +86,13 @@ QUICK = {
             "scheduler.t_warmup=25ba",
             "algorithms.ema.half_life=25ba",
         ],
+        # mmdit-tiny's settings for zimage-tiny (measured: docs/demo.md).
+        "zimage-tiny": [
+            "trainer.max_duration=700ba",
+            "optimizer.lr=4.0e-3",
+            "scheduler.t_warmup=25ba",
+            "algorithms.ema.half_life=25ba",
+        ],
     },
     "per_prompt": 4,
     "prompts": ["a red circle", "a green square", "a blue triangle"],
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a short run (the test's)")
     parser.add_argument(
         "--preset", choices=sorted(RECIPES), default="tiny",
-        help="the diffusion model: tiny (UNet, DDPM), mmdit-tiny or flux-tiny (rectified-flow transformers)",
+        help="the diffusion model: tiny (UNet, DDPM), mmdit-tiny, flux-tiny or zimage-tiny (rectified-flow transformers)",
     )  # fmt: skip
     parser.add_argument("--out", default=str(OUT), help="where the samples and the summary go")
     parser.add_argument("--per-prompt", type=int, default=6, help="samples per prompt (12 prompts)")

@@ -57,6 +57,8 @@ def bundled_tokenizers(preset: str) -> dict:
         tokenizers[name] = build_tokenizer(pad_token=spec[pad] if name != "tokenizer" else spec.get(pad, "!"))
     if bundled_t5(preset):
         tokenizers[families.of(preset).t5_tokenizer] = build_t5_tokenizer()
+    if spec.get("bundled_text"):  # an LLM's tokenizer built offline (zimage-tiny's)
+        tokenizers.update(families.of(preset).conditioner.offline_tokenizers())
     return tokenizers
 
 

@@ -79,8 +79,9 @@ def folder_options(family: Family, folder: Path, parts: dict) -> dict:
         options["force_zeros_for_empty_prompt"] = index.get("force_zeros_for_empty_prompt", True)
     if "latent_shift" in family.options:
         options["latent_shift"] = parts["vae"].config.get("shift_factor") or 0.0
-    if "t5_tokens" in family.options:
-        options["t5_tokens"] = _t5_tokens(folder)
+    for key in ("t5_tokens", "text_tokens"):  # the text encoder's length: T5's, an LLM's (Z-Image's)
+        if key in family.options:
+            options[key] = _t5_tokens(folder)
     return options
 
 

@@ -1,21 +1,37 @@
-"""FLOP counting of one denoiser forward + backward on the meta device, for any UNet, SD3 transformer
-or Flux transformer, from the network itself (`*_step_flops`, which the family table names) or from its
-diffusers config (`*_training_flops`, cached: what the models' `denoiser_flops` call every batch).
-models/flops.py counts presets and MFU with these.
+"""Training FLOPs of any family's model, counted on the model's own training path: one forward +
+backward of the denoiser as the training step calls it (the model's `condition`, then `denoised`
+with the objective's draws, then its `loss`), on meta-device inputs, under torch's FlopCounterMode
+(matmuls, convolutions, attention). Nothing here knows a family: a new one is counted as its model
+class is written, latent packing, joint contexts and micro-conditioning included.
+
+`step_flops(model, ...)` counts a model whose networks are already on the meta device (models/flops.py
+builds a preset's); `training_flops(model, ...)` counts a live one on a meta copy of it (`meta_copy`),
+cached per model and shapes: what the models' `flops_per_batch` calls every batch.
 """
 
-import functools
-import json
+import copy
 import logging
+import weakref
+from collections.abc import Callable
 
 import torch
-from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
+from transformers import PreTrainedModel
+
+from compat.torch import meta_selects_all
 
 log = logging.getLogger(__name__)
 
-CONTEXT_LENGTH = 77  # CLIP tokens: the UNet attends to a 77 x cross_attention_dim context
 _BATCH = 2  # count a batch of 2 and divide, so no per-batch-of-1 shortcut can skew the count
+PIXELS = ("image", "latents")  # a batch's images or VAE moments: the latents' size is given instead
+
+# The columns of the text a batch holds, (name, per-sample shape, dtype) each, sorted by name: token
+# ids, or the stored form that `sd-convert latents` wrote (models/engine/conditioners.py).
+Columns = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+
+# model -> {(height, width, columns): FLOPs per sample}; weak, so a finished run's model is freed.
+_COUNTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _count(fn) -> int:
@@ -25,123 +41,94 @@ def _count(fn) -> int:
     return counter.get_total_flops()
 
 
-def unet_step_flops(unet, height: int, width: int, context_length: int) -> float:
-    """FLOPs of one forward + backward of a meta-device `unet`, per image of height x width latents."""
-    with torch.device("meta"):
-        latents = torch.randn(_BATCH, unet.config.in_channels, height, width)
-        context = torch.randn(_BATCH, context_length, unet.config.cross_attention_dim)
-        timesteps = torch.randint(0, 1000, (_BATCH,))
-        extra = {}
-        if unet.config.addition_embed_type == "text_time":  # SDXL: pooled text + 6 micro-conditioning sizes
-            time_ids = 6
-            pooled = (
-                unet.config.projection_class_embeddings_input_dim
-                - time_ids * unet.config.addition_time_embed_dim
-            )
-            extra["added_cond_kwargs"] = {
-                "text_embeds": torch.randn(_BATCH, pooled),
-                "time_ids": torch.randn(_BATCH, time_ids),
-            }
-
-    def step():
-        out = unet(latents, timesteps, encoder_hidden_states=context, **extra).sample
-        out.float().pow(2).mean().backward()
-
-    return _count(step) / _BATCH
-
-
-def transformer_step_flops(transformer, height: int, width: int, context_length: int) -> float:
-    """FLOPs of one forward + backward of a meta-device SD3 `transformer`, per image of height x width
-    latents and a joint-attention context of `context_length` tokens."""
-    config = transformer.config
-    with torch.device("meta"):
-        latents = torch.randn(_BATCH, config.in_channels, height, width)
-        context = torch.randn(_BATCH, context_length, config.joint_attention_dim)
-        pooled = torch.randn(_BATCH, config.pooled_projection_dim)
-        timesteps = torch.rand(_BATCH) * 1000
-
-    def step():
-        out = transformer(
-            hidden_states=latents,
-            timestep=timesteps,
-            encoder_hidden_states=context,
-            pooled_projections=pooled,
-        ).sample
-        out.float().pow(2).mean().backward()
-
-    return _count(step) / _BATCH
-
-
-def flux_step_flops(transformer, height: int, width: int, context_length: int) -> float:
-    """FLOPs of one forward + backward of a meta-device Flux `transformer` (FluxTransformer2DModel),
-    per image of height x width latents, packed into 2 x 2 patches as FluxPipeline packs them, and a
-    T5 context of `context_length` tokens (the guidance embedding too when it has one)."""
-    config = transformer.config
-    tokens = (height // 2) * (width // 2)
-    with torch.device("meta"):
-        latents = torch.randn(_BATCH, tokens, config.in_channels)
-        context = torch.randn(_BATCH, context_length, config.joint_attention_dim)
-        pooled = torch.randn(_BATCH, config.pooled_projection_dim)
-        timesteps = torch.rand(_BATCH)
-        img_ids, txt_ids = torch.zeros(tokens, 3), torch.zeros(context_length, 3)
-        guidance = torch.ones(_BATCH) if config.guidance_embeds else None
-
-    def step():
-        out = transformer(
-            hidden_states=latents,
-            timestep=timesteps,
-            encoder_hidden_states=context,
-            pooled_projections=pooled,
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-            guidance=guidance,
-        ).sample
-        out.float().pow(2).mean().backward()
-
-    return _count(step) / _BATCH
-
-
-def unet_training_flops(unet_config, height: int, width: int, context_length: int = CONTEXT_LENGTH) -> float:
-    """Like `training_flops_per_image`, for any UNet: its diffusers config (`unet.config`, e.g. of a
-    pretrained one), latents of height x width and a text context of `context_length` tokens.
-    Counted on the meta device once per distinct argument set, then cached (what
-    `StableDiffusion.flops_per_batch` calls every batch)."""
-    return _training_flops(UNet2DConditionModel, unet_step_flops, unet_config, height, width, context_length)
-
-
-def transformer_training_flops(transformer_config, height: int, width: int, context_length: int) -> float:
-    """`unet_training_flops` for an SD3 transformer (its diffusers config), latents of height x width
-    and a joint-attention context of `context_length` tokens; counted once per argument set, then
-    cached (what `RectifiedFlowTransformer.flops_per_batch` calls every batch)."""
-    return _training_flops(
-        SD3Transformer2DModel, transformer_step_flops, transformer_config, height, width, context_length
+def batch_columns(batch: dict) -> Columns:
+    """The per-sample shapes and dtypes of `batch`'s tensors besides its images or latents: whatever
+    the model's `condition` reads (token ids, stored embeddings, SDXL's sizes)."""
+    return tuple(
+        sorted(
+            (name, tuple(value.shape[1:]), value.dtype)
+            for name, value in batch.items()
+            if isinstance(value, torch.Tensor) and name not in PIXELS
+        )
     )
 
 
-def flux_training_flops(transformer_config, height: int, width: int, context_length: int) -> float:
-    """`transformer_training_flops` for a Flux transformer (its diffusers config); counted once per
-    argument set, then cached (what the Flux model's `flops_per_batch` calls every batch)."""
-    return _training_flops(
-        FluxTransformer2DModel, flux_step_flops, transformer_config, height, width, context_length
-    )
+def token_columns(model) -> Columns:
+    """The token ids the model's conditioner reads, at the lengths it reads them (CLIP's 77, the
+    model's T5 or LLM length): a batch of captions, as the data loader hands it over."""
+    lengths = model.conditioner.id_lengths(model)
+    return tuple(sorted((name, (n,), torch.long) for name, n in lengths.items()))
 
 
-def _training_flops(cls, step_flops, config, height: int, width: int, context_length: int) -> float:
-    config_json = json.dumps(dict(config), sort_keys=True, default=str)
-    return _cached_training_flops(cls, step_flops, config_json, int(height), int(width), int(context_length))
-
-
-@functools.cache
-def _cached_training_flops(cls, step_flops, config_json: str, height: int, width: int, context_length: int):
+def training_step(
+    model, height: int, width: int, columns: Columns | None = None, n: int = _BATCH
+) -> Callable:
+    """The training step's denoiser forward + backward for `n` samples of height x width latents and
+    text `columns` (None: `token_columns`), as a function of no arguments, for a model whose networks
+    are on the meta device. The condition is made first, outside it: from token ids the frozen text
+    encoders run, which MFU leaves out (models/flops.py); caption dropout only picks between two
+    conditions of the same shapes, so none is drawn. A selection by value (a caption's real tokens out
+    of its padded ones) keeps every element: the longest case, the one the meta device can count."""
     with torch.device("meta"):
-        denoiser = cls.from_config(json.loads(config_json))
-    flops = step_flops(denoiser, height, width, context_length)
-    log.info(
-        "%s at %dx%d latents, %d context tokens: %.4g training FLOP per image",
-        cls.__name__,
-        height,
-        width,
-        context_length,
-        flops,
-    )
-    return flops
+        batch = {
+            name: torch.zeros(n, *shape, dtype=dtype)
+            for name, shape, dtype in columns or token_columns(model)
+        }
+        latents = torch.randn(n, model.vae.config.latent_channels, height, width)
+    image_size = (height * model.vae_scale_factor, width * model.vae_scale_factor)
+    with meta_selects_all():
+        condition = model.condition(batch, False, image_size)
+
+    def step():
+        with meta_selects_all():
+            outputs = model.denoised(latents, model.objective.draws(latents), condition, image_size)
+            model.loss(outputs, batch).backward()
+
+    return step
+
+
+def step_flops(model, height: int, width: int, columns: Columns | None = None) -> float:
+    """FLOPs of one training forward + backward per sample of height x width latents (`training_step`),
+    for a model whose networks are on the meta device."""
+    return _count(training_step(model, height, width, columns)) / _BATCH
+
+
+def training_flops(model, height: int, width: int, columns: Columns | None = None) -> float:
+    """`step_flops` of any model, its networks anywhere (a training run's, sharded or not), counted on
+    `meta_copy(model)` once per latent size and text columns, then cached for that model."""
+    counts = _COUNTS.setdefault(model, {})
+    key = (int(height), int(width), columns or token_columns(model))
+    if key not in counts:
+        counts[key] = step_flops(meta_copy(model), *key)
+        log.info(
+            "%s at %dx%d latents: %.4g training FLOP per sample", type(model).__name__, *key[:2], counts[key]
+        )
+    return counts[key]
+
+
+def meta_copy(model):
+    """`model` with each of its networks built again on the meta device from its class and config (no
+    weights, no memory) and its own copy of the objective (DDPM's add_noise moves the scheduler's
+    tables to the noise's device); its other attributes (options, tokenizers) are `model`'s.
+
+    A shallow copy rather than the model class called anew: the class's keywords are its family's, and
+    nothing at this layer knows families (models/registry.py is above the models that count here)."""
+    twin = copy.copy(model)
+    twin._modules = {name: _on_meta(child) for name, child in model._modules.items()}
+    twin.objective = copy.deepcopy(model.objective)
+    return twin
+
+
+def _on_meta(module: torch.nn.Module | None) -> torch.nn.Module | None:
+    """A diffusers or transformers network (what has a `config`) built again on the meta device; any
+    other module (a metric) as it is. Under FSDP the class is the network's own: FSDP1 wraps it
+    (`.module`), FSDP2's fully_shard swaps its class for a subclass of FSDPModule and it."""
+    if getattr(module, "config", None) is None:
+        return module
+    if isinstance(module, FullyShardedDataParallel):
+        module = module.module
+    cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    with torch.device("meta"):
+        if isinstance(module, PreTrainedModel):
+            return cls(copy.deepcopy(module.config))
+        return cls.from_config(module.config)

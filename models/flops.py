@@ -3,11 +3,12 @@
     python -m models.flops --preset sd2-base --resolution 256 512 [--images-per-sec 120 --gpu h100]
 
 FLOPs are counted by `torch.utils.flop_counter.FlopCounterMode` over one forward + backward of the
-denoiser (the UNet, or an mmdit preset's joint-attention transformer), the trained part of a step,
-with models built on the meta device: no memory, no compute, about a second even for sd2-base. The
-counter covers matmuls, convolutions and attention (the usual MFU convention); norms and elementwise
-ops are left out. A transformer attends jointly over its image patches and its text context (77 CLIP
-tokens and the preset's `t5_tokens` T5 ones, zeros or not): both streams' projections and MLPs and the
+denoiser (the UNet or transformer), the trained part of a step, as the preset's model calls it in
+training (models/flop_count.py: its own condition, latent packing and denoiser call), with the model
+built on the meta device: no memory, no compute, a few seconds even for flux-dev. The counter covers
+matmuls, convolutions and attention (the usual MFU convention); norms and elementwise ops are left
+out. A transformer attends jointly over its image patches and its text context (an mmdit preset's 77
+CLIP tokens and its `t5_tokens` T5 ones, zeros or not): both streams' projections and MLPs and the
 attention over both count. The frozen VAE encoder and text encoders also run forward every step;
 `frozen_flops_per_image` counts them, separately, since MFU conventionally counts only the model
 being trained.
@@ -19,17 +20,12 @@ import logging
 
 import torch
 
+from models.build import bundled_tokenizers
 from models.components import build_components
-from models.flop_count import (  # noqa: F401 (the counters: imported from here too)
-    _BATCH,
-    CONTEXT_LENGTH,
-    _count,
-    flux_training_flops,
-    transformer_training_flops,
-    unet_training_flops,
-)
+from models.engine.family import construct
+from models.flop_count import _BATCH, _count, step_flops
 from models.presets import denoiser_factor, denoiser_name, vae_factor
-from models.registry import PRESETS, of
+from models.registry import PRESETS, of, preset_options
 from models.stored_form import meta_ids, meta_parts
 
 log = logging.getLogger(__name__)
@@ -40,12 +36,6 @@ PEAK_BF16_FLOPS = {
     "h100": 989e12,  # SXM; the PCIe card is 756e12
     "h200": 989e12,
 }
-
-
-def context_length(preset: str) -> int:
-    """Text tokens the denoiser attends to, as the family's conditioner says (models/engine/conditioners.py:
-    CLIP's 77, an mmdit preset's T5 part after them, Flux's T5 tokens alone)."""
-    return of(preset).conditioner.context_tokens(PRESETS[preset].get("t5_tokens"))
 
 
 def latent_size(preset: str, resolution: int) -> int:
@@ -70,12 +60,28 @@ def _meta_components(preset: str) -> dict:
         return build_components(preset)
 
 
+def meta_model(preset: str):
+    """`preset`'s model (its family's class) with its networks on the meta device: no weights, no
+    memory. Its tokenizers are the bundled ones (none for a T5 that only loads from a folder: the count
+    makes its token ids itself), its options the preset's and the model class's defaults, which change
+    no shape; its noise schedule is built on the CPU (the objectives read it when they are made)."""
+    family = of(preset)
+    with torch.device("meta"):
+        parts = build_components(preset, skip=("noise_scheduler",))
+    parts["noise_scheduler"] = construct(family.components["scheduler"], PRESETS[preset]["scheduler"])
+    tokenizers = {
+        **dict.fromkeys(n for n in family.components if n.startswith("tokenizer")),
+        **bundled_tokenizers(preset),
+    }
+    return family.model_class(**parts, **tokenizers, **preset_options(preset))
+
+
 @functools.cache
 def training_flops_per_image(preset: str, resolution: int) -> float:
-    """FLOPs of the denoiser's forward + backward for one image of `resolution` x `resolution` pixels."""
+    """FLOPs of the denoiser's forward + backward for one image of `resolution` x `resolution` pixels,
+    on the model's own training path (models/flop_count.py) from a batch of its token ids."""
     side = latent_size(preset, resolution)
-    denoiser = _meta_components(preset)[denoiser_name(preset)]
-    flops = of(preset).step_flops(denoiser, side, side, context_length(preset))
+    flops = step_flops(meta_model(preset), side, side)
     log.info("%s at %d px (%dx%d latents): %.4g FLOP per image", preset, resolution, side, side, flops)
     return flops
 

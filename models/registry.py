@@ -15,8 +15,9 @@ from models.families.flux.family import FAMILY as FLUX
 from models.families.mmdit.family import FAMILY as MMDIT
 from models.families.sd.family import FAMILY as SD
 from models.families.sdxl.family import FAMILY as SDXL
+from models.families.zimage.family import FAMILY as ZIMAGE
 
-FAMILIES = {family.name: family for family in (SD, SDXL, MMDIT, FLUX)}
+FAMILIES = {family.name: family for family in (SD, SDXL, MMDIT, FLUX, ZIMAGE)}
 PRESETS = {name: spec for family in FAMILIES.values() for name, spec in family.presets.items()}
 MODEL_CLASSES = {name: family.model_class for name, family in FAMILIES.items()}
 
@@ -72,4 +73,4 @@ def _is_network(cls) -> bool:
 
 def preset_options(preset: str) -> dict:
     """The options a preset gives its model besides its components and the objective's (models.build)."""
-    return {key: PRESETS[preset][key] for key in ("t5_tokens",) if key in of(preset).options}
+    return {key: PRESETS[preset][key] for key in ("t5_tokens", "text_tokens") if key in of(preset).options}

@@ -27,7 +27,8 @@ def meta_parts(preset: str, t5: bool = False) -> SimpleNamespace:
             cls = family.components.get(name)
             if name not in parts and name in spec and cls is not None and issubclass(cls, torch.nn.Module):
                 parts[name] = construct(cls, spec[name])
-    holder = {**dict.fromkeys(family.components), **parts, "t5_tokens": spec.get("t5_tokens")}
+    lengths = {key: spec.get(key) for key in ("t5_tokens", "text_tokens")}  # T5's, an LLM's (Z-Image's)
+    holder = {**dict.fromkeys(family.components), **parts, **lengths}
     return SimpleNamespace(**holder)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from data.loader import EvalDataConfig, ImageCaptionDataConfig
+from extensions.keep_best import config_problem as keep_best_problem
 from extensions.quality_target import config_problem as quality_target_problem
 from recipes.checks import (
     cudagraphs_problem,
@@ -30,6 +31,7 @@ from recipes.checks import (
     resolution_problem,
     save_folder_problem,
 )
+from recipes.evaluators import RECIPE_TRAINER_KEYS, with_fixed_timesteps
 from recipes.parallelism import Parallelism, config_problem
 
 
@@ -94,6 +96,7 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
             raw[section] = {k: v for k, v in raw[section].items() if v is not None}
     run = _build(RunConfig, raw, "")
     _check_model_keys(run.model)
+    run.model = with_fixed_timesteps(run.model, run.data.train.holdout)  # recipes/evaluators.py
     for split in ("train", "eval"):
         if (data := getattr(run.data, split)) is not None:
             _refuse(resolution_problem(run.model["preset"], f"data.{split}", data.resolution))
@@ -112,6 +115,7 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
     _check_values(run)
     _check_export_folders(run)
     _refuse(quality_target_problem(run.callbacks, run.data.eval, run.trainer))
+    _refuse(keep_best_problem(run.trainer, run.data.train.holdout, run.data.eval))
     run.trainer = _with_dist_timeout(run)
     return run
 
@@ -216,7 +220,8 @@ def _check_model_keys(model: dict) -> None:
 def _check_trainer_keys(trainer: dict) -> None:
     from composer import Trainer
 
-    params = set(inspect.signature(Trainer.__init__).parameters) - {"self"}
+    # composer.Trainer's arguments, and the recipe's own keys under `trainer:` (trainer.keep_best)
+    params = (set(inspect.signature(Trainer.__init__).parameters) - {"self"}) | set(RECIPE_TRAINER_KEYS)
     for key in trainer:
         if key in _TRAINER_KEYS_SET_BY_RECIPE:
             raise ConfigError(

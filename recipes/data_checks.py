@@ -8,7 +8,8 @@ and fails with one line naming the key and the fix when:
   without one, the columns the run's family reads must be there);
 - the training set (or, with `batching_method: per_stream`, one of its streams or aspect-ratio
   buckets) holds fewer samples than one global batch: with `drop_last` it would give no batch, and
-  Composer 0.32 then loops over empty epochs for ever ("No batches were trained").
+  Composer 0.32 then loops over empty epochs for ever ("No batches were trained"), counted without
+  the samples `data.train.holdout` keeps out; or that holdout is the whole set.
 An image folder given where an MDS set belongs is named as such, with the `sd-convert` command.
 """
 
@@ -16,6 +17,7 @@ import json
 import logging
 from pathlib import Path
 
+from data.holdout import held_per_stream, holdout_count
 from data.streams import WEIGHTS, _configured, read_index
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,10 @@ def check_data(data_cfg, key: str, preset: str, global_batch: int | None) -> Non
             _check_image_columns(where, source, columns, data_cfg, preset)
         else:
             _check_latent_columns(where, source, columns, data_cfg, preset, remote, local)
+    if getattr(data_cfg, "holdout", None) is not None:  # a holdout of the whole set leaves no training
+        from data.streams import resolve_streams
+
+        holdout_count(data_cfg.holdout, sum(s.samples for s in resolve_streams(data_cfg)), f"{key}.holdout")
     if global_batch is not None and data_cfg.drop_last:
         check_batches(data_cfg, key, global_batch)
 
@@ -221,17 +227,20 @@ def epoch_samples(data_cfg) -> dict[str, int]:
 
     specs = resolve_streams(data_cfg)
     total = sum(s.samples for s in specs)
+    # data.train.holdout's samples are left out of every epoch; it allows only whole repeats
+    holdout = getattr(data_cfg, "holdout", None)
+    held = held_per_stream([s.samples for s in specs], holdout) if holdout is not None else [0] * len(specs)
     out = {}
-    for spec in specs:
+    for spec, kept_out in zip(specs, held):
         weights = {k: getattr(spec, k) for k in WEIGHTS}
         if weights["choose"] is not None:
             out[spec.name] = int(weights["choose"])
         elif weights["repeat"] is not None:
-            out[spec.name] = int(spec.samples * weights["repeat"])
+            out[spec.name] = int((spec.samples - kept_out) * weights["repeat"])
         elif weights["proportion"] is not None:
             out[spec.name] = int(total * weights["proportion"])
         else:
-            out[spec.name] = spec.samples
+            out[spec.name] = spec.samples - kept_out
     return out
 
 

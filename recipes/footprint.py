@@ -3,8 +3,8 @@ parameter counts and the bytes of activations one training sample keeps, found o
 memory, no compute: about a second for sd3-medium).
 
 Activations are the bytes autograd saves for the backward pass during the denoiser's training forward,
-counted with `torch.autograd.graph.saved_tensors_hooks` over the family's own forward + backward (the
-step models/flops.py counts FLOPs of, so a new family's step is counted as it is written), each
+counted with `torch.autograd.graph.saved_tensors_hooks` over the model's own forward + backward (the
+step models/flop_count.py counts FLOPs of, so a new family's step is counted as it is written), each
 storage once and the parameters left out. At the end of the forward they are all alive at once: that
 is the step's peak above its weights, gradients and optimizer state. tests/test_plan_memory.py
 measures the peak of the tiny UNet and MMDiT on the CPU (torch.profiler's memory timeline) within 5%
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.components import build_components
 from models.engine.family import construct
-from models.flops import context_length, latent_size
-from models.presets import bundled_t5, denoiser_name
+from models.flop_count import training_step
+from models.flops import latent_size, meta_model
+from models.presets import bundled_t5
 from models.registry import PRESETS, of
 from models.training.sharding import units
 
@@ -81,7 +81,7 @@ def _fused_attention():
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
-    """The family's step draws its inputs with torch.randn: in `dtype`, to match the denoiser's."""
+    """The step draws its latents and noise levels with torch.randn: in `dtype`, as a bf16 run's are."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -140,13 +140,15 @@ def _saved_bytes(denoiser, step, recomputed: list[torch.nn.Module]) -> tuple[int
 @functools.cache
 def _footprint(preset, resolution, bf16, lora_json, t5, fsdp_wrap, recomputed, fp8) -> Footprint:
     side = latent_size(preset, resolution)
+    model = meta_model(preset)
+    denoiser, held_only = model.denoiser, []
     with torch.device("meta"):
-        parts = build_components(preset)
-        if t5 and not bundled_t5(preset):  # SD3's T5 loads from a folder: its config is the preset's
-            parts["text_encoder_3"] = construct(
-                of(preset).components["text_encoder_3"], PRESETS[preset]["text_encoder_3"]
+        # SD3's T5 loads from a folder: its config is the preset's. Held, not run: its context has the
+        # shape of the zeros the step attends to without it.
+        if t5 and not bundled_t5(preset):
+            held_only.append(
+                construct(of(preset).components["text_encoder_3"], PRESETS[preset]["text_encoder_3"])
             )
-        denoiser = parts[denoiser_name(preset)]
         if lora_json is not None:
             from models.training.lora import add_lora
 
@@ -157,17 +159,16 @@ def _footprint(preset, resolution, bf16, lora_json, t5, fsdp_wrap, recomputed, f
         from models.training.fp8 import convert_to_fp8
 
         convert_to_fp8(denoiser, fp8, emulate=True)
-    networks = [p for p in parts.values() if isinstance(p, torch.nn.Module)]
     # Only the denoiser trains (the model class freezes the rest); of it, only an adapter under LoRA.
     trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
-    held = sum(p.numel() for n in networks for p in n.parameters())
+    held = sum(p.numel() for n in [model, *held_only] for p in n.parameters())
     blocks = [sum(p.numel() for p in u.parameters()) for u in units(denoiser, fsdp_wrap)]
     root = sum(p.numel() for p in denoiser.parameters()) - sum(blocks)
     gathered = root + 2 * max(blocks, default=0)
 
     with _default_dtype(torch.bfloat16 if bf16 else torch.float32):
-        count = functools.partial(of(preset).step_flops, denoiser, side, side, context_length(preset))
-        saved, batch = _saved_bytes(denoiser, count, units(denoiser, recomputed) if recomputed else [])
+        step = training_step(model, side, side)
+        saved, batch = _saved_bytes(denoiser, step, units(denoiser, recomputed) if recomputed else [])
     return Footprint(trainable, held - trainable, gathered, saved // batch)
 
 

@@ -43,6 +43,7 @@ from models.training.fp8 import cpu_emulation
 from models.training.torch_compile import compiles_with_cudagraphs
 from recipes.config import ConfigError, RunConfig, check_device, parse_config
 from recipes.data_checks import check_data
+from recipes.evaluators import attach_keep_best, eval_dataloaders, trainer_options
 from recipes.keep_checkpoints import adopt_earlier_checkpoints
 from recipes.load_check import resume_and_check
 from recipes.memory_check import check_memory
@@ -105,6 +106,7 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
         place_unsharded(kwargs["model"], torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
     trainer = Trainer(**kwargs)
     adopt_earlier_checkpoints(trainer, kwargs.get("save_folder"), kwargs.get("save_filename"), run.run_name)
+    attach_keep_best(trainer, run)  # after the CheckpointSaver: it links what the saver saved
     cache_fsdp_enabled(trainer.state)  # Composer walks every module once a batch to ask this otherwise
     step_without_closure(trainer)  # no loss.item() between the backward and the optimizer's kernels
     # The remote `latest` pointer up to 2 s behind its checkpoint, not 30 s; so too the wait at a run's end.
@@ -239,7 +241,7 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
         seed=run.seed,
         model=model,
         train_dataloader=train_loader,
-        eval_dataloader=eval_loader,
+        eval_dataloader=eval_dataloaders(run, train_loader, eval_loader, run.seed),
         optimizers=optimizer,
         schedulers=scheduler,
         algorithms=[instantiate(spec) for spec in run.algorithms.values()],
@@ -268,6 +270,7 @@ def _trainer_options(trainer: dict, plan: BatchPlan) -> dict:
     (Composer would run the cap itself: a microbatch larger than the per-device batch, or one that
     leaves a smaller last microbatch), and autoresume off for a run that saves nothing
     (`save_folder: null`: nothing to resume from; Composer would refuse the pair)."""
+    trainer = trainer_options(trainer)  # trainer.keep_best is the recipe's (recipes/evaluators.py)
     if trainer.get("save_folder") is None and trainer.get("autoresume"):
         trainer = {**trainer, "autoresume": False}
     if trainer.get("device_train_microbatch_size") is None:  # unset: Composer's default, one microbatch

@@ -123,6 +123,8 @@ RELIED_ON = [
     ("torch._dynamo", "config", None),
     ("torch._dynamo.config", "recompile_limit", None),
     ("torch.nn:Module", "_compiled_call_impl", ASSIGNED),
+    ("torch.fx.experimental", "_config", None),
+    ("torch.fx.experimental._config", "meta_nonzero_assume_all_nonzero", None),
     # transformers 5.24.0 (compat/transformers.py)
     ("transformers.convert_slow_tokenizer", "bytes_to_unicode", ()),
     # diffusers 0.42.1 (compat/diffusers.py)

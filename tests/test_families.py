@@ -119,13 +119,21 @@ def batches(preset, shapes_mds, tmp_path_factory) -> dict:
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Nested keywords as one level; a list (one tensor per sample: Z-Image's captions) by index."""
     flat = {}
     for key, value in tree.items():
+        if isinstance(value, list):
+            value = dict(enumerate(value))
         if isinstance(value, dict):
             flat.update(_flat(value, f"{prefix}{key}."))
         elif isinstance(value, torch.Tensor):
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def _samples(tree: dict, part: slice) -> dict:
+    """The samples `part` of a condition: of each batch-first tensor or per-sample list."""
+    return {k: _samples(v, part) if isinstance(v, dict) else v[part] for k, v in tree.items()}
 
 
 def _denoiser_call(model, run) -> tuple[dict[str, torch.Tensor], object]:
@@ -199,11 +207,9 @@ def test_caption_dropout_gives_the_empty_caption_s_condition(preset, batches, pr
     validation even in train mode, the captions'."""
     model = _model(preset, caption_drop_prob=prob).train()
     with torch.no_grad():
-        guided = _flat(model.prompt_condition(batches["captions"], None, (32, 32), "cpu"))
-    unconditional, conditional = (
-        {k: v[:N] for k, v in guided.items()},
-        {k: v[N:] for k, v in guided.items()},
-    )
+        guided = model.prompt_condition(batches["captions"], None, (32, 32), "cpu")
+    unconditional = _flat(_samples(guided, slice(None, N)))
+    conditional = _flat(_samples(guided, slice(N, None)))
     runs = [  # (what, batch, call, expected, tolerance): stored embeddings are fp16
         (f"{path} {call.__name__}", batches[path], call, expected, tolerance)
         for path, tolerance in (("images", 1e-5), ("latents", 2e-3))
@@ -316,7 +322,9 @@ def pipeline_images(pipe, folder: Path, seed: int) -> torch.Tensor:
     sampling = dict(SAMPLING)
     sampling[front.get("guidance_scale_argument", "guidance_scale")] = sampling.pop("guidance_scale")
     generator = torch.Generator().manual_seed(seed)
-    return pipe(PROMPTS, generator=generator, output_type="pt", **options, **sampling).images
+    # A copy: ZImagePipeline._encode_prompt writes the chat prompts into the list it is given (diffusers
+    # 0.42.1), which would change PROMPTS for every later call.
+    return pipe(list(PROMPTS), generator=generator, output_type="pt", **options, **sampling).images
 
 
 # Each family's published full-size checkpoints (its presets.py says where each count comes from).

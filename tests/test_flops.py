@@ -1,13 +1,18 @@
 """models.flops: the counter agrees with a closed-form count of the UNet's layers and with the
-published SD2 base numbers."""
+published SD2 base numbers, and counts every family's model on its own training path
+(models/flop_count.py; the MMDiT's and Flux's closed forms: tests/test_mmdit.py, tests/test_flux.py)."""
+
+import math
 
 import pytest
 import torch
 from torch import nn
 
 from compat.diffusers import Attention
-from models import flops
+from models import build_model, flops
 from models.components import build_components
+from models.presets import size_multiple
+from models.registry import FAMILIES
 
 
 @pytest.mark.heavy  # counts the FLOPs of the full-size SD2 UNet
@@ -88,6 +93,25 @@ def test_training_flops_match_a_closed_form_count(preset, resolution, side):
     # Exact: the same layers, shapes and backward; a forward-only count would be about a third, a
     # wrong latent size or context length or a per-batch count would be off by a large factor.
     assert flops.training_flops_per_image(preset, resolution) == expected
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_is_counted_on_its_own_training_path(family):
+    """No family has FLOP code: its tiny preset's model is counted through its own condition and
+    denoiser call, the same from a live model's batch of captions (flops_per_batch: on a meta copy) as
+    from the preset built on the meta device; the UNet's agrees with the closed form too."""
+    preset = FAMILIES[family].tiny
+    resolution = math.lcm(32, size_multiple(preset))
+    per_image = flops.training_flops_per_image(preset, resolution)
+    assert per_image > 0
+    model = build_model(preset)
+    captions = model.conditioner.ids(model, ["a red circle", "a small green square"])
+    batch = {"image": torch.zeros(2, 3, resolution, resolution, dtype=torch.uint8), **captions}
+    assert model.flops_per_batch(batch) == 2 * per_image
+    if family == "sd":
+        side = resolution // model.vae_scale_factor
+        assert per_image == pytest.approx(_closed_form_training_flops(preset, side)[0], rel=0.01)
 
 
 @pytest.mark.heavy

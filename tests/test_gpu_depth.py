@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
+from models.flop_count import step_flops
 from models.flops import training_flops_per_image
-from models.registry import of
 from tests.conftest import REPO
 
 spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench/gpu/gpu_check.py")
@@ -29,10 +29,7 @@ def test_the_full_models_flops_are_the_line_through_the_reduced_depths():
     depths gpu_check times lie on one line per block, and the line at 19 + 38 blocks is the full
     model's count (models/flops.py), which MFU divides by the extrapolated time."""
     preset, side = "flux-schnell", 256 // 8
-    counts = [
-        of(preset).step_flops(depth.reduced_denoiser(preset, d, "meta"), side, side, 256)
-        for d in gpu_check.FLUX_DEPTHS
-    ]
+    counts = [step_flops(depth.reduced_model(preset, d, "meta"), side, side) for d in gpu_check.FLUX_DEPTHS]
     full = {"num_layers": 19, "num_single_layers": 38}
     value, coefficients, residual = depth.extrapolate(gpu_check.FLUX_DEPTHS, counts, full)
     assert residual < 1e-9 and value == pytest.approx(training_flops_per_image(preset, 256), rel=1e-9)

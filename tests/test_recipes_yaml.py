@@ -67,10 +67,13 @@ REQUIRED = {
         "model.pretrained=/models/flux-dev",
         "trainer.save_folder=/ft",
     ],
+    "zimage-finetune": ["data.train.local=/data/mds", "model.pretrained=/models/z-image", "trainer.save_folder=/ft"],
+    "zimage-lora": ["data.train.local=/data/mds", "model.pretrained=/models/z-image", "trainer.save_folder=/lora"],
     "tiny-cpu": [],
     "tiny-flux-cpu": [],
     "tiny-mmdit-cpu": [],
     "tiny-sdxl-cpu": [],
+    "tiny-zimage-cpu": [],
     "tiny-vae": [],
 }
 

@@ -142,12 +142,28 @@ def rebuild(record: dict) -> dict:
         elif issubclass(cls, T5TokenizerFast):  # with its T5 (an optional one may be absent)
             if record.get(part.replace("tokenizer", "text_encoder")) is not None:
                 parts[part] = _t5_tokenizer(record[part]["source"], record.get("preset"), part)
-        else:
+        elif cls is CLIPTokenizer:
             parts[part] = _tokenizer(record[part], part)
+        else:  # an LLM's tokenizer (Z-Image's Qwen2Tokenizer)
+            parts[part] = _other_tokenizer(cls, record[part], record.get("preset"), family, part)
     parts["latent_scale"] = record["latent_scale"]
     for key, default in family.options.items():
         parts[key] = record[key] if default is REQUIRED else record.get(key, default)
     return parts
+
+
+def _other_tokenizer(cls, entry: dict, preset: str | None, family, subfolder: str):
+    """A tokenizer neither CLIP's nor T5's: from the folder it came from, else the one a `bundled_text`
+    preset builds offline (its conditioner's `offline_tokenizers`)."""
+    source = entry.get("source")
+    if source and (Path(source) / subfolder).is_dir():
+        return cls.from_pretrained(source, subfolder=subfolder, local_files_only=True)
+    if preset in PRESETS and PRESETS[preset].get("bundled_text"):
+        return family.conditioner.offline_tokenizers()[subfolder]
+    raise FileNotFoundError(
+        f"the checkpoint's {subfolder} came from {source or 'an unrecorded folder'}: not found there (the "
+        "text encoder's weights are in the checkpoint, its tokenizer is not); put that folder back"
+    )
 
 
 def _t5_tokenizer(source: str | None, preset: str | None, subfolder: str) -> T5TokenizerFast:

@@ -55,10 +55,6 @@ class CLIPText:
         """What the image data path needs besides the first tokenizer (data/loader.py's keywords)."""
         return {}
 
-    def context_tokens(self, t5_tokens: int | None) -> int:
-        """The length of the context the denoiser attends to (models/flops.py): CLIP's 77 tokens."""
-        return MAX_LENGTH
-
 
 class TwoCLIPs(CLIPText):
     """SDXL's: `text_encoder` (CLIP ViT-L) and `text_encoder_2` (OpenCLIP bigG, with projection)."""
@@ -126,10 +122,6 @@ class CLIPsAndT5(TwoCLIPs):
             inputs.update(t5_tokenizer=parts.tokenizer_3, t5_tokens=parts.t5_tokens)
         return inputs
 
-    def context_tokens(self, t5_tokens: int | None) -> int:
-        """CLIP's 77 tokens, then T5's part (zeros without a T5, but attended to all the same)."""
-        return MAX_LENGTH + (t5_tokens or 0)
-
 
 class PooledCLIPAndT5(CLIPText):
     """Flux's: `text_encoder` (CLIP ViT-L, CLIPTextModel) gives only its pooled output (the final
@@ -161,6 +153,3 @@ class PooledCLIPAndT5(CLIPText):
 
     def loader_inputs(self, parts) -> dict:
         return {"t5_tokenizer": parts.tokenizer_2, "t5_tokens": parts.t5_tokens}
-
-    def context_tokens(self, t5_tokens: int | None) -> int:
-        return t5_tokens

@@ -46,9 +46,6 @@ class Family:
     # random weights are drawn in (a seed's bits depend on it).
     components: dict
     pipeline: type  # the diffusers pipeline models.export writes
-    # One forward + backward of a meta-device denoiser per image (denoiser, height, width, context
-    # length in tokens): models.flops.training_flops_per_image.
-    step_flops: Callable[..., float]
     record_version: int  # code that reads fewer families refuses a record it cannot rebuild
     objective: str  # "ddpm" or "flow": which build_model options the family takes (OBJECTIVE_OPTIONS)
     options: dict = field(default_factory=dict)

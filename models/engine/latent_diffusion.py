@@ -6,8 +6,8 @@ dropout, the objective's draws, the denoiser), the loss, caption dropout's mask,
 per-sample seeded draws (`eval_forward`, `eval_seeds`), the metric, the frozen parts' eval mode, the
 initial noise of sampling, and FLOPs per batch. A family (models/families/sd/model.py,
 models/families/sdxl/model.py, models/families/mmdit/model.py) adds what is its own: its networks, how latents
-are scaled, its condition (`condition`, `prompt_condition`), how its denoiser is called (`denoise`) and
-counted (`denoiser_flops`), and its sampling loop (`generate`).
+are scaled, its condition (`condition`, `prompt_condition`), how its denoiser is called (`denoise`),
+and its sampling loop (`generate`). Its FLOPs are counted on that same path (models/flop_count.py).
 
 A batch holds either images and token ids (`image` in [-1, 1], or uint8 as the data loader hands it
 over: models/engine/pixels.py; `input_ids`, ...) or what `sd-convert latents` precomputed from them
@@ -39,19 +39,19 @@ from models.engine.eval_timesteps import (
     stored_or_seeded,
 )
 from models.engine.pixels import to_float
+from models.flop_count import batch_columns, training_flops
 
 log = logging.getLogger(__name__)
 
 
 class LatentDiffusion(ComposerModel):
     """The shared model. Subclasses set `denoiser_name` and `frozen_names` (attribute names) and
-    implement `scale_latents`, `condition`, `denoise` and `denoiser_flops`."""
+    implement `scale_latents`, `condition` and `denoise`."""
 
     eval_seed: int = 0
     eval_timesteps: int | None = None  # K fixed validation timesteps (set_eval_timesteps), or random ones
     denoiser_name = "unet"  # the trained network's attribute: "unet" or "transformer"
     frozen_names: tuple[str, ...] = ("vae", "text_encoder")  # frozen parts, kept in eval mode
-    extra_context_tokens = 0  # context tokens the batch does not show (mmdit: T5's)
     train_draws = "rank"  # training's draws: "rank" (the global RNG) or "sample" (models/engine/draw_keys.py)
     # (run seed, batch index) for train_draws="sample": extensions/sample_draws.py sets it each batch.
     draw_key: tuple[int, int] | None = None
@@ -197,7 +197,7 @@ class LatentDiffusion(ComposerModel):
                 )
             latents, draws = self._seeded_latents(moments, seeds, levels)
             condition = self.condition(batch, False, image_size)
-        return self._denoised(latents, draws, condition, image_size)
+        return self.denoised(latents, draws, condition, image_size)
 
     def _keyed_diffuse(self, batch, moments, image_size):
         if self.draw_key is None:
@@ -212,7 +212,7 @@ class LatentDiffusion(ComposerModel):
             condition = self.condition(batch, True, image_size)
         finally:
             self._sample_drop = None
-        return self._denoised(latents, draws, condition, image_size)
+        return self.denoised(latents, draws, condition, image_size)
 
     def _seeded_latents(self, moments, seeds, levels=None):
         """The scaled latent sample and the objective's draws, from one generator per sample."""
@@ -220,7 +220,9 @@ class LatentDiffusion(ComposerModel):
         draws = self.objective.seeded_draws(seeds, posterior.mean.shape[1:], moments.device, levels)
         return self.scale_latents(posterior.mean + posterior.std * draws["latent"]), draws
 
-    def _denoised(self, latents, draws, condition, image_size):
+    def denoised(self, latents, draws, condition, image_size):
+        """(prediction, target, noise level): the objective's noisy latents and the denoiser's call on
+        them, in the denoiser's dtype; the step's FLOPs are counted on it (models/flop_count.py)."""
         noisy, timesteps, target, level = self.objective.diffuse(latents, draws, image_size)
         dtype = self.denoiser_dtype
         prediction = self.denoise(noisy.to(dtype), timesteps, in_dtype(condition, dtype))
@@ -289,20 +291,16 @@ class LatentDiffusion(ComposerModel):
 
         Only the trained denoiser counts (models/flops.py), as in mosaicml/diffusion and MLPerf: not
         the frozen VAE encoder and text encoder forwards (which a run on precomputed latents skips, so
-        MFU stays comparable between the two) nor gradient checkpointing's recomputation.
+        MFU stays comparable between the two) nor gradient checkpointing's recomputation. Counted on
+        this model's own step with the batch's shapes (models/flop_count.py), once per latent size and
+        text columns.
         """
         if "latents" in batch:
             n, _, height, width = batch["latents"].shape
         else:
             n, _, height, width = batch["image"].shape
             height, width = height // self.vae_scale_factor, width // self.vae_scale_factor
-        return n * self.denoiser_flops(height, width, self.context_tokens(batch))
-
-    def context_tokens(self, batch) -> int:
-        """The length of the context the denoiser attends to for `batch`: its token ids' or stored
-        embeddings', and the tokens neither shows (`extra_context_tokens`)."""
-        tokens = (batch["text_embeds"] if "text_embeds" in batch else batch["input_ids"]).shape[1]
-        return tokens + self.extra_context_tokens
+        return n * training_flops(self, height, width, batch_columns(batch))
 
     # -- sampling --------------------------------------------------------------------------------
     @staticmethod
@@ -326,6 +324,8 @@ def in_dtype(condition: dict, dtype: torch.dtype) -> dict:
     for key, value in condition.items():
         if isinstance(value, dict):  # SDXL's added_cond_kwargs
             cast[key] = in_dtype(value, dtype)
+        elif isinstance(value, list):  # one tensor per sample (Z-Image's unpadded captions)
+            cast[key] = [v.to(dtype) if v.is_floating_point() else v for v in value]
         elif key == "time_ids" or not value.is_floating_point():
             cast[key] = value
         else:

@@ -13,7 +13,6 @@ from models.families.flux.presets import FLUX, PUBLISHED
 from models.families.flux.reference_init import reference_init
 from models.families.mmdit.family import LORA_TARGETS as SD3_LORA_TARGETS
 from models.families.sdxl.family import PARTNERS as SDXL_PARTNERS
-from models.flop_count import flux_step_flops
 
 # CLIP ViT-L (its pooled output alone) and T5, both needed; the scheduler last (its config is all
 # that is drawn).
@@ -32,7 +31,6 @@ FAMILY = Family(
     Flux,
     COMPONENTS,
     FluxPipeline,
-    flux_step_flops,
     4,  # a T5 as text_encoder_2, CLIP's pooled output alone
     "flow",
     {"latent_shift": REQUIRED, "t5_tokens": REQUIRED, **dict.fromkeys(FLOW_OPTIONS, REQUIRED)},

@@ -36,7 +36,6 @@ import torch
 from models.engine.conditioners import PooledCLIPAndT5
 from models.engine.flow_model import FlowTransformer
 from models.engine.latent_diffusion import in_dtype
-from models.flop_count import flux_training_flops
 
 # FluxPipeline passes `timestep / 1000` (its scheduler's timesteps are sigmas x 1000) and the
 # transformer multiplies by 1000 again.
@@ -124,10 +123,6 @@ class Flux(FlowTransformer):
             t5_tokens,
         )
 
-    def context_tokens(self, batch) -> int:
-        """T5's tokens: the whole context, whichever ids or embeddings the batch holds."""
-        return self.t5_tokens
-
     # -- conditioning ----------------------------------------------------------------------------
     def encode_captions(self, captions: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
         """(context (B, t5_tokens, D_T5), pooled (B, D_CLIP)) of captions, as FluxPipeline.encode_prompt."""
@@ -185,10 +180,6 @@ class Flux(FlowTransformer):
         height, width = noisy.shape[-2:]
         timesteps = timesteps / PIPELINE_TIMESTEP_SCALE
         return unpack(self.velocity(pack(noisy), (height, width), timesteps, condition), height, width)
-
-    def denoiser_flops(self, height: int, width: int, context_length: int) -> float:
-        """One sample's transformer forward + backward FLOPs (models/flops.py flux_step_flops)."""
-        return flux_training_flops(self.transformer.config, height, width, context_length)
 
     # -- sampling --------------------------------------------------------------------------------
     def native_size(self) -> tuple[int, int]:

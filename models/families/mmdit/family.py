@@ -16,7 +16,6 @@ from models.families.mmdit.model import RectifiedFlowTransformer
 from models.families.mmdit.presets import PUBLISHED, SD3
 from models.families.sdxl.family import PARTNERS as SDXL_PARTNERS
 from models.families.sdxl.family import SECOND_CLIP
-from models.flop_count import transformer_step_flops
 
 # SD3's CLIP ViT-L keeps its projection (its pooled output conditions the transformer), its scheduler
 # is a flow-matching one, and its T5 is optional (models.engine.family.OPTIONAL).
@@ -47,7 +46,6 @@ FAMILY = Family(
     RectifiedFlowTransformer,
     COMPONENTS,
     StableDiffusion3Pipeline,
-    transformer_step_flops,
     3,  # a transformer, no UNet
     "flow",
     # Records written before timestep_density trained logit-normal timesteps.

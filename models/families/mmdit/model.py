@@ -51,7 +51,6 @@ from models.engine.conditioners import CLIPsAndT5
 from models.engine.flow_model import FlowTransformer
 from models.engine.latent_diffusion import in_dtype
 from models.engine.tokenizer import tokenize_t5
-from models.flop_count import transformer_training_flops
 
 
 class RectifiedFlowTransformer(FlowTransformer):
@@ -117,11 +116,6 @@ class RectifiedFlowTransformer(FlowTransformer):
             latent_shift,
             t5_tokens,
         )
-
-    @property
-    def extra_context_tokens(self) -> int:
-        """T5's part of the context, which token ids and stored CLIP embeddings do not show."""
-        return self.t5_tokens
 
     # -- conditioning ----------------------------------------------------------------------------
     def encode_clip(
@@ -211,11 +205,6 @@ class RectifiedFlowTransformer(FlowTransformer):
 
     def denoise(self, noisy: torch.Tensor, timesteps: torch.Tensor, condition: dict) -> torch.Tensor:
         return self.transformer(hidden_states=noisy, timestep=timesteps, **condition).sample
-
-    def denoiser_flops(self, height: int, width: int, context_length: int) -> float:
-        """One sample's transformer forward + backward FLOPs (models/flops.py: patch embedding, both
-        streams' projections and MLPs, joint attention); the frozen encoders are left out."""
-        return transformer_training_flops(self.transformer.config, height, width, context_length)
 
     # -- sampling --------------------------------------------------------------------------------
     def prompt_condition(

@@ -7,7 +7,6 @@ from models.engine.family import REQUIRED, Family
 from models.families.sd.lora_layout import unet_kohya
 from models.families.sd.model import StableDiffusion
 from models.families.sd.presets import PUBLISHED, SD
-from models.flop_count import unet_step_flops
 
 # Component name (diffusers' folder name) -> class, in the order a preset's random weights are drawn.
 COMPONENTS = dict(
@@ -23,7 +22,6 @@ FAMILY = Family(
     StableDiffusion,
     COMPONENTS,
     StableDiffusionPipeline,
-    unet_step_flops,
     1,
     "ddpm",
     {"prediction_type": REQUIRED},

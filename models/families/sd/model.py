@@ -12,7 +12,6 @@ from models.engine.conditioners import CLIPText
 from models.engine.latent_diffusion import LatentDiffusion, in_dtype
 from models.engine.objectives import DDPM, forwarded
 from models.engine.tokenizer import tokenize
-from models.flop_count import unet_training_flops
 
 
 class StableDiffusion(LatentDiffusion):
@@ -104,11 +103,6 @@ class StableDiffusion(LatentDiffusion):
 
     def denoise(self, noisy: torch.Tensor, timesteps: torch.Tensor, condition: dict) -> torch.Tensor:
         return self.unet(noisy, timesteps, **condition).sample
-
-    def denoiser_flops(self, height: int, width: int, context_length: int) -> float:
-        """One sample's UNet forward + backward FLOPs (models/flops.py: matmuls, convolutions,
-        attention), counted once per latent size and context length on the meta device, then cached."""
-        return unet_training_flops(self.unet.config, height, width, context_length)
 
     def pipeline_parts(self) -> dict:
         """The keywords of the family's diffusers pipeline (models/export.py writes it)."""

@@ -9,7 +9,6 @@ from models.families.sd.family import COMPONENTS as SD_COMPONENTS
 from models.families.sd.lora_layout import unet_kohya
 from models.families.sdxl.model import StableDiffusionXL
 from models.families.sdxl.presets import PUBLISHED, SDXL
-from models.flop_count import unet_step_flops
 
 SECOND_CLIP = dict(text_encoder_2=CLIPTextModelWithProjection, tokenizer_2=CLIPTokenizer)
 # (named, partner): loaded together from one folder (ids of one tokenizer mean nothing to another's
@@ -21,7 +20,6 @@ FAMILY = Family(
     StableDiffusionXL,
     {**SD_COMPONENTS, **SECOND_CLIP},
     StableDiffusionXLPipeline,
-    unet_step_flops,
     2,  # a second text encoder and tokenizer: SD-only code would rebuild it without them
     "ddpm",
     {"prediction_type": REQUIRED, "force_zeros_for_empty_prompt": True},
