@@ -1,8 +1,8 @@
-"""Flux on the sharded path (issue 40, "2-process sharded training, kill and resume as in the sharding
-issue"): `composer -n 2` of yamls/tiny-flux-cpu.yaml shards the Flux transformer (FSDP2 over gloo),
-and a run SIGKILLed at a random moment after its first checkpoint, rerun with the same command, ends
-bitwise equal to the uninterrupted run (losses of every batch, final weights and EMA), as
-tests/test_fsdp2_train.py shows for the tiny MMDiT."""
+"""Flux and Z-Image on the sharded path (issues 40 and 50, "2-process sharded training, kill and resume
+as in the sharding issue"): `composer -n 2` of yamls/tiny-flux-cpu.yaml (tiny-zimage-cpu.yaml) shards
+the transformer (FSDP2 over gloo), and a run SIGKILLed at a random moment after its first checkpoint,
+rerun with the same command, ends bitwise equal to the uninterrupted run (losses of every batch, final
+weights and EMA), as tests/test_fsdp2_train.py shows for the tiny MMDiT."""
 
 import pytest
 
@@ -20,19 +20,20 @@ from tests.resume_check import (
 pytestmark = pytest.mark.slow
 
 
-def _command(out, shapes_mds):
-    return train_command(2, out, shapes_mds, *COMMON, "parallelism.shard=2", recipe="tiny-flux-cpu")
+def _command(out, shapes_mds, recipe):
+    return train_command(2, out, shapes_mds, *COMMON, "parallelism.shard=2", recipe=recipe)
 
 
-def test_flux_sharded_sigkill_and_rerun_ends_bitwise_equal(shapes_mds, tmp_path):
+@pytest.mark.parametrize("recipe", ["tiny-flux-cpu", "tiny-zimage-cpu"])
+def test_flux_sharded_sigkill_and_rerun_ends_bitwise_equal(recipe, shapes_mds, tmp_path):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    result = run(_command(reference, shapes_mds), REPO, train_env())
+    result = run(_command(reference, shapes_mds, recipe), REPO, train_env())
     assert result.returncode == 0, result.stderr[-3000:]
     last = max(p for p in (reference / "ckpt").iterdir() if p.is_dir() and not p.is_symlink())
     assert sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
     kill_at, delay, why = kill_point(2, BATCHES - 2)
-    command = _command(resumed, shapes_mds)
+    command = _command(resumed, shapes_mds, recipe)
     run_and_kill_at(command, REPO, train_env(), resumed / "loss.jsonl", kill_at, delay)
     again = run(command, REPO, train_env())
     assert again.returncode == 0, f"{why}: " + again.stderr[-3000:]
