@@ -11,7 +11,9 @@ two things that tell a user nothing:
 `quiet_import()` drops exactly those records, matched by their text; anything else those loggers say
 passes. Importing this module runs it, which must come before the first import of transformers or
 diffusers (models/__init__.py imports it first).
-No private name of torchao is used: models/training/fp8.py trains with its public `torchao.float8`.
+No private name of torchao is used: models/training/fp8.py trains with its public `torchao.float8`, and
+models/training/base_weights.py stores a LoRA run's frozen base with `torchao.quantization`'s
+`quantize_`, `Float8WeightOnlyConfig` and `to_nf4` (NF4Tensor lives there in 0.18, not in `torchao.dtypes`).
 """
 
 import logging

@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a short run (the test's)")
     parser.add_argument(
         "--preset", choices=sorted(RECIPES), default="tiny",
-        help="the diffusion model: tiny (UNet, DDPM), mmdit-tiny, flux-tiny or zimage-tiny (rectified-flow transformers)",
+        help="the diffusion model: tiny (UNet, DDPM), or a rectified-flow transformer: mmdit-tiny, "
+        "flux-tiny, zimage-tiny",
     )  # fmt: skip
     parser.add_argument("--out", default=str(OUT), help="where the samples and the summary go")
     parser.add_argument("--per-prompt", type=int, default=6, help="samples per prompt (12 prompts)")

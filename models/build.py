@@ -20,8 +20,9 @@ from models.families.mmdit.model import RectifiedFlowTransformer
 from models.families.sd.model import StableDiffusion
 from models.presets import bundled_t5, denoiser_name
 from models.registry import PRESETS
+from models.training.base_weights import add_adapter_over, store_base
 from models.training.fp8 import convert_to_fp8, fp8_recipe
-from models.training.lora import add_lora, drop_frozen_weights
+from models.training.lora import drop_frozen_weights
 from models.training.sharding import configure as configure_sharding
 from models.training.torch_compile import compile_denoiser
 
@@ -108,6 +109,7 @@ def build_model(
     init: str | None = None,
     eval_timesteps: int | None = None,
     train_draws: str = "rank",
+    base_weights: str | None = None,
 ) -> StableDiffusion | RectifiedFlowTransformer:
     """The ComposerModel for `preset` (a name in models.registry.PRESETS): its family's model class
     (models/registry.py), a StableDiffusion, a StableDiffusionXL or a RectifiedFlowTransformer.
@@ -165,20 +167,26 @@ def build_model(
     train_draws: "rank" (training's noise, timesteps and caption dropout from the global RNG, which
         Composer seeds seed + rank) or "sample" (keyed by the run's seed, the batch index and each
         sample's index: the same on any number of processes; models/engine/draw_keys.py).
+    base_weights: None (the base as loaded), "bf16", "fp8" or "nf4": a LoRA run's frozen denoiser and
+        large text encoders (T5, an LLM; not the CLIPs or the VAE) stored in bf16, or with their linear
+        weights quantized by torchao (float8 with a scale per row, or QLoRA's NF4); the adapter and its
+        optimizer state stay fp32 (models/training/base_weights.py). fp8 and nf4: transformer presets.
     """
     objective, pretrained_components, lora = checked(
         preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
         zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
         attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, fp8, init, eval_timesteps,
-        train_draws,
+        train_draws, base_weights,
     )  # fmt: skip
     parts = _parts(preset, pretrained, pretrained_components)
     if init is not None:
         families.of(preset).inits[init](parts[denoiser_name(preset)])
     options = _objective(preset, parts, pretrained_components if pretrained else (), objective)
     denoiser = parts[denoiser_name(preset)]
+    if base_weights is not None:  # before the adapter: peft wraps the stored layers
+        store_base(parts, denoiser_name(preset), preset, base_weights)
     if lora is not None:
-        add_lora(denoiser, **lora)
+        add_adapter_over(denoiser, base_weights, lora)
     _speed_switches(denoiser, attention, gradient_checkpointing, channels_last, low_precision_norms)
     if PARAM_DTYPES[param_dtype] is not None:
         # In place, channels-last kept. nn.Module's: diffusers' override warns of fp32 modules to
@@ -200,6 +208,7 @@ def build_model(
         {"source": pretrained, "components": list(pretrained_components)} if pretrained else None
     )
     model.lora = lora
+    model.base_weights = base_weights  # the record's, so that an export rebuilds the same base
     if eval_timesteps is not None:
         model.set_eval_timesteps(eval_timesteps)
     model.set_train_draws(train_draws)

@@ -12,6 +12,7 @@ from models.engine.family import OBJECTIVE_OPTIONS, OPTIONAL
 from models.engine.objectives import LOSS_WEIGHTINGS, TIMESTEP_DENSITIES
 from models.presets import bundled_t5, denoiser_name
 from models.registry import PRESETS
+from models.training.base_weights import check_base_weights
 from models.training.fp8 import fp8_recipe
 from models.training.lora import check_lora_options
 from models.training.sharding import GRANULARITIES
@@ -41,7 +42,7 @@ def checked(
     preset, pretrained, pretrained_components, prediction_type, offset_noise, min_snr_gamma,
     zero_terminal_snr, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
     attention, fsdp_wrap, activation_checkpointing, lora, param_dtype, fp8, init, eval_timesteps,
-    train_draws,
+    train_draws, base_weights=None,
 ):  # fmt: skip
     """build_model's options checked: (objective keywords, components to load, LoRA options)."""
     if preset not in PRESETS:
@@ -87,6 +88,7 @@ def checked(
         )
     if lora is not None:
         lora = check_lora_options(lora, pretrained, pretrained_components, preset)
+    check_base_weights(base_weights, preset, lora, param_dtype, fp8)  # models/training/base_weights.py
 
     return objective, pretrained_components, lora
 

@@ -7,6 +7,7 @@ says `guidance=-1`, which recipes/config.py turns into `callbacks.samples.guidan
 
 import math
 
+from models.presets import patch_size
 from models.registry import of_model
 
 
@@ -51,7 +52,7 @@ def size_multiple_of(model) -> tuple[int, str]:
     if not family.patches:
         return factor, f"the VAE's factor {factor}"
     # Flux's transformer takes 1 x 1 patches of latents packed 2 x 2 (the family's `packing`).
-    patch = getattr(model, family.denoiser).config.patch_size * family.packing
+    patch = patch_size(getattr(model, family.denoiser).config) * family.packing
     return factor * patch, f"the VAE's factor {factor} x the transformer's patch size {patch}"
 
 

@@ -139,6 +139,7 @@ def load_model_from_checkpoint(
     *,
     preset: str | None = None,
     prediction_type: str | None = None,
+    stored_base: bool = True,
 ) -> StableDiffusion | RectifiedFlowTransformer:
     """The StableDiffusion (StableDiffusionXL, RectifiedFlowTransformer) model of a Composer
     checkpoint, on the CPU in eval mode.
@@ -148,6 +149,8 @@ def load_model_from_checkpoint(
     preset, prediction_type: checked against the checkpoint's model record; for a checkpoint
         without one, the architecture (inferred from the tensor shapes when None) and what the UNet
         predicts (epsilon when None; an mmdit model predicts the flow, and takes no prediction type).
+    stored_base: a LoRA checkpoint's base stored as its run stored it (model.base_weights: bf16, fp8,
+        nf4), the model that trained; False: as its folder holds it (what --merge-lora merges into).
     """
     state = read_checkpoint(path)
     vae_preset = autoencoder_preset(state)
@@ -193,7 +196,7 @@ def load_model_from_checkpoint(
                     f"{flag} {given} contradicts the checkpoint, which records {key}={record[key]!r}"
                 )
         if record.get("lora"):
-            return _lora_model(path, record, weights)
+            return _lora_model(path, record, weights, stored_base)
         with init_empty_weights():
             model = rebuild_model(record)
         log.info(
@@ -233,7 +236,7 @@ def load_model_from_checkpoint(
     return model.eval()
 
 
-def _lora_model(path, record: dict, weights: dict):
+def _lora_model(path, record: dict, weights: dict, stored_base: bool = True):
     """A LoRA checkpoint holds the adapter only: the base comes from the folder the run loaded."""
     from models.build import HUB_ID, build_model
 
@@ -247,6 +250,8 @@ def _lora_model(path, record: dict, weights: dict):
     # The objective's options the record keeps (a DDPM's prediction type and zero-terminal SNR; a flow's
     # timestep options): the sampler the export writes comes from them.
     options = {k: record[k] for k in OBJECTIVE_OPTIONS[family.objective] if k in record}
+    if stored_base and record.get("base_weights"):
+        options["base_weights"] = record["base_weights"]
     model = build_model(
         record["preset"],
         pretrained=source,
@@ -344,8 +349,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def export(args: argparse.Namespace) -> None:
     check_out_dir(args.out_dir)  # in milliseconds, before a checkpoint of gigabytes is read
+    # --merge-lora folds the adapter into the base as its folder holds it, never into a bf16, float8 or
+    # NF4 copy (model.base_weights): the merged pipeline is the base plus the adapter, the weights
+    # load_lora_weights on the base pipeline gives, without the quantisation's rounding baked in.
     model = load_model_from_checkpoint(
-        args.checkpoint, args.ema, preset=args.preset, prediction_type=args.prediction_type
+        args.checkpoint,
+        args.ema,
+        preset=args.preset,
+        prediction_type=args.prediction_type,
+        stored_base=not args.merge_lora,
     )
     if getattr(model, "lora", None) is None:
         if args.lora or args.merge_lora:

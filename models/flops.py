@@ -24,7 +24,7 @@ from models.build import bundled_tokenizers
 from models.components import build_components
 from models.engine.family import construct
 from models.flop_count import _BATCH, _count, step_flops
-from models.presets import denoiser_factor, denoiser_name, vae_factor
+from models.presets import denoiser_factor, denoiser_name, patch_size, vae_factor
 from models.registry import PRESETS, of, preset_options
 from models.stored_form import meta_ids, meta_parts
 
@@ -46,7 +46,7 @@ def latent_size(preset: str, resolution: int) -> int:
     # Each UNet down block but the last halves the latents, and the up path must find the same sizes;
     # a transformer cuts the latents into patches.
     inner = denoiser_factor(preset)
-    what = "patch size" if PRESETS[preset][denoiser_name(preset)].get("patch_size") else "UNet factor"
+    what = "patch size" if patch_size(PRESETS[preset][denoiser_name(preset)]) else "UNet factor"
     if resolution <= 0 or resolution % (factor * inner):
         raise ValueError(
             f"resolution {resolution} for preset {preset!r} must be a positive multiple of "

@@ -29,10 +29,14 @@ def denoiser_factor(preset: str) -> int:
     """Latents per smallest feature along each side: a transformer's patch size (times the preset's
     `packing`: Flux's 2x2), or the UNet's downsamplings (2 per level below the first)."""
     config = PRESETS[preset][denoiser_name(preset)]
-    # patch_size, or the largest of Z-Image's all_patch_size; a UNet has neither
-    patch = config.get("patch_size") or max(config.get("all_patch_size") or [0])
-    patch = patch or 2 ** (len(config["block_out_channels"]) - 1)
+    patch = patch_size(config) or 2 ** (len(config["block_out_channels"]) - 1)
     return PRESETS[preset].get("packing", 1) * patch
+
+
+def patch_size(config) -> int:
+    """A transformer's patch size from its config (a preset's dict, a model's FrozenDict): `patch_size`,
+    or the largest of Z-Image's `all_patch_size`; 0 for a UNet, which has neither."""
+    return config.get("patch_size") or max(config.get("all_patch_size") or [0])
 
 
 def size_multiple(preset: str) -> int:

@@ -42,6 +42,9 @@ class Footprint:
     frozen: int  # parameters held but not trained: VAE, text encoders, a LoRA run's base
     gathered: int  # parameters FSDP holds unsharded at once: the root unit's and two units' (prefetch)
     activations: int  # bytes one training sample keeps for the backward pass
+    # A LoRA run's frozen bytes by model.base_weights (None, bf16, fp8, nf4): the denoiser and large
+    # encoders as models/training/base_weights.py stores them, the other frozen networks fp32.
+    frozen_bytes: dict | None = None
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -166,10 +169,27 @@ def _footprint(preset, resolution, bf16, lora_json, t5, fsdp_wrap, recomputed, f
     root = sum(p.numel() for p in denoiser.parameters()) - sum(blocks)
     gathered = root + 2 * max(blocks, default=0)
 
+    stored = None
+    if lora_json is not None:
+        stored = _stored_bytes(preset, model, held_only, held - trainable)
+
     with _default_dtype(torch.bfloat16 if bf16 else torch.float32):
         step = training_step(model, side, side)
         saved, batch = _saved_bytes(denoiser, step, units(denoiser, recomputed) if recomputed else [])
-    return Footprint(trainable, held - trainable, gathered, saved // batch)
+    return Footprint(trainable, held - trainable, gathered, saved // batch, stored)
+
+
+def _stored_bytes(preset, model, held_only, frozen: int) -> dict:
+    """A LoRA run's frozen bytes for each model.base_weights: the denoiser and the large encoders
+    (models/training/base_weights.py; `held_only`: SD3's T5, held beside the model) as stored, the other
+    `frozen` parameters fp32. Activations do not change with it: a stored layer keeps for the backward
+    what a frozen bf16 one keeps (tests/test_quantized_base.py)."""
+    from models.training.base_weights import BASE_WEIGHTS, large_encoders, stored_bytes
+
+    encoders = [getattr(model, n) for n in large_encoders(preset) if getattr(model, n, None) is not None]
+    stored = [model.denoiser, *encoders, *held_only]
+    rest = frozen - sum(p.numel() for n in stored for p in n.parameters() if not p.requires_grad)
+    return {w: 4 * rest + sum(stored_bytes(n, w) for n in stored) for w in (None, *BASE_WEIGHTS)}
 
 
 def footprint(

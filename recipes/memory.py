@@ -10,7 +10,10 @@ dtype (the unit computing and the one prefetched; recipes/footprint.py counts th
 several GPUs (DDP) the gradients are held twice: Composer wraps the model with DistributedDataParallel's
 defaults (composer/distributed/dist_strategy.py), whose all-reduce buckets are a second copy of them.
 Frozen parts (VAE, text encoders, SD3's T5 when loaded) are fp32 and whole on every GPU, also when
-training on precomputed latents: the model keeps them to encode prompts and decode sample grids.
+training on precomputed latents: the model keeps them to encode prompts and decode sample grids. A
+LoRA run's `model.base_weights` stores its frozen denoiser and large encoders in bf16 (2 bytes a
+parameter), float8 (1, and an fp32 scale per row) or NF4 (0.5, and 1/64 of int8 block scales):
+models/training/base_weights.py; recipes/footprint.py counts them layer by layer.
 Activations (recipes/footprint.py: per sample, times the microbatch) do not divide by shard.
 
 Left out, hence the margin below: the CUDA context and NCCL buffers, the allocator's fragmentation,
@@ -53,6 +56,7 @@ class Precision:
     bf16_weights: bool = False  # model.param_dtype: bfloat16
     bf16_compute: bool = False  # autocast (trainer.precision amp_bf16/amp_fp16) or bf16 weights
     ema_bytes: int = 0  # per trained parameter on the GPU: 4 (fp32), 2 (bf16), 0 (none, or offloaded)
+    base_weights: str | None = None  # model.base_weights: a LoRA run's frozen base stored so
 
 
 def per_gpu(fp: Footprint, precision: Precision, shard: int, gpus: int, microbatch: int) -> dict[str, int]:
@@ -65,7 +69,7 @@ def per_gpu(fp: Footprint, precision: Precision, shard: int, gpus: int, microbat
     memory = {
         **state,
         "ema": -(-fp.trainable * precision.ema_bytes // shard),
-        "frozen": 4 * fp.frozen,
+        "frozen": fp.frozen_bytes[precision.base_weights] if precision.base_weights else 4 * fp.frozen,
         "activations": fp.activations * microbatch,
     }
     return {**memory, "total": sum(memory.values())}
@@ -109,7 +113,8 @@ def _ema_bytes(algorithms: dict) -> int:
 def run_precision(run) -> Precision:
     bf16_weights = run.model.get("param_dtype") == "bfloat16"
     amp = str(run.trainer.get("precision") or "fp32").startswith("amp_")
-    return Precision(bf16_weights, bf16_weights or amp, _ema_bytes(run.algorithms))
+    base = run.model.get("base_weights")  # a stored base computes in bf16, autocast or not
+    return Precision(bf16_weights, bf16_weights or amp or base is not None, _ema_bytes(run.algorithms), base)
 
 
 def fsdp1(run) -> dict | None:
@@ -196,18 +201,26 @@ def gb(value: float) -> str:
 
 
 def format_memory(rows: list[dict], gpu_memory: float) -> str:
-    header = ["GPUs", "shard x replicate", "microbatch", *COLUMNS[:3], "EMA", *COLUMNS[4:], "total", "fits"]
+    # A LoRA run's rows also say how its frozen base is stored (model.base_weights; null: fp32), the
+    # run's own first, then what the same shape needs with each other choice (recipes/memory_advice.py).
+    bases = any("base_weights" in m for row in rows for m in row["memory"])
+    header = ["GPUs", "shard x replicate", "microbatch", *["base"] * bases, *COLUMNS[:3], "EMA", *COLUMNS[4:]]
+    header += ["total", "fits"]
     table = [header]
     for row in rows:
         for m in row["memory"]:
             numbers = [f"{m[k]:.2f}" for k in [*COLUMNS, "total"]]
             fits = "yes" if m["fits"] else "NO"
-            table.append(
-                [str(row["gpus"]), f"{m['shard']} x {m['replicate']}", str(m["microbatch"]), *numbers, fits]
-            )
+            base = [(m.get("base_weights") or "fp32") + " (if)" * m.get("alternative", False)] * bases
+            shape = [str(row["gpus"]), f"{m['shard']} x {m['replicate']}", str(m["microbatch"])]
+            table.append([*shape, *base, *numbers, fits])
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     lines = [
         f"memory per GPU in GB (10^9 bytes), against --gpu-memory {gpu_memory:g}: weights, gradients, "
         "optimizer state and EMA divide by the shard; frozen parts and activations (per microbatch) do not"
     ]
+    if bases:
+        lines.append(
+            "base: model.base_weights, how this LoRA run stores its frozen base; (if): with that instead"
+        )
     return "\n".join(lines + ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in table])

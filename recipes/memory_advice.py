@@ -7,6 +7,7 @@ plainly that none it knows of would. recipes/memory.py does the arithmetic.
 from dataclasses import dataclass
 
 from recipes.memory import COLUMNS, fsdp1, gb, run_shard, shape_memory
+from recipes.memory_bases import NO_BASE, add_base_rows, base_choices, smaller_bases
 
 
 def plan_memory(
@@ -25,9 +26,11 @@ def plan_memory(
             listed = [(s, True) for s in shards if gpus % s == 0]
         else:
             listed = [run_shard(run, gpus, gpus_per_node)]
+        own_base = run.model.get("base_weights") if base_choices(run) else NO_BASE
         for shard, shard_weights in listed:
             entry = shape_memory(run, gpus, shard, microbatch, shard_weights)
-            row["memory"].append({**entry, "fits": entry["total"] <= gpu_memory})
+            base = {} if own_base is NO_BASE else {"base_weights": own_base, "alternative": False}
+            row["memory"].append({**entry, **base, "fits": entry["total"] <= gpu_memory})
         fitting = [m["shard"] for m in row["memory"] if m["fits"]]
         failed = failed or not fitting
         over = [m for m in row["memory"] if not m["fits"]]
@@ -40,6 +43,8 @@ def plan_memory(
                 notes.append(line + f"the smallest listed shard that fits is {min(fitting)}")
             else:
                 notes.append(line + suggest(run, row, gpu_memory, gpus_per_node))
+        if own_base is not NO_BASE and row["memory"]:
+            notes.append(add_base_rows(run, row, listed, gpu_memory))
     return notes, failed
 
 
@@ -162,6 +167,13 @@ def suggest(run, row: dict, gpu_memory: float, gpus_per_node: int, cpu: bool = F
     ruled_out = "" if problem is None else f"; sharding is not counted ({problem})"
     if not fitting:
         least = min(variants, key=lambda v: (v.memory["total"], len(v.changes)))
+        smaller = smaller_bases(run, row, own, gpu_memory)  # a LoRA run's frozen base, stored smaller
+        if smaller:
+            return (
+                f"no shard, microbatch or recomputation it does not have yet fits (the least is "
+                f"{gb(least.memory['total'])} GB, {gb(least.memory['frozen'])} GB of it frozen networks); "
+                f"it fits with {smaller}"
+            )
         return _nothing_fits(least, row["microbatch"], gpu_memory, gpus_per_node, problem, cpu)
     fewest = min(len(v.changes) for v in fitting)
     best = {}  # per set of kinds changed: the smallest shard, then the largest microbatch

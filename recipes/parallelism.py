@@ -131,6 +131,11 @@ def config_problem(p: Parallelism, model: dict, trainer: dict) -> str | None:
             f"{where} with model.param_dtype={model['param_dtype']}: FSDP2 keeps fp32 sharded weights "
             "and casts them for compute itself (parallelism.mixed_precision); leave model.param_dtype unset"
         )
+    if model.get("base_weights") is not None:  # torchao's stored tensors under FSDP2: not tried here
+        return (
+            f"{where} with model.base_weights={model['base_weights']}: a stored base is held whole on "
+            "each device, not sharded: set parallelism.shard=1"
+        )
     from models.training.torch_compile import compiles_with_cudagraphs
 
     if compiles_with_cudagraphs(model.get("compile_unet")):

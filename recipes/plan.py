@@ -33,7 +33,9 @@ printed and the planner exits with status 1, so a script that checks a recipe st
 
 Below it, memory per GPU at each count and sharding shape (the run's own, or `--shard`'s), by part
 (recipes/memory.py); a shape over `--gpu-memory` is marked NO, a line names the smallest shard that
-fits, and a count where no shape fits also makes the exit status 1.
+fits, and a count where no shape fits also makes the exit status 1. A LoRA run's shapes also come
+with each other way to store its frozen base (`model.base_weights`: fp32, bf16, and on a transformer
+fp8 and nf4; recipes/memory_bases.py), marked `(if)`, and a line names those that fit.
 """
 
 import json

@@ -67,8 +67,21 @@ REQUIRED = {
         "model.pretrained=/models/flux-dev",
         "trainer.save_folder=/ft",
     ],
-    "zimage-finetune": ["data.train.local=/data/mds", "model.pretrained=/models/z-image", "trainer.save_folder=/ft"],
-    "zimage-lora": ["data.train.local=/data/mds", "model.pretrained=/models/z-image", "trainer.save_folder=/lora"],
+    "flux-lora": [
+        "data.train.local=/data/mds",
+        "model.pretrained=/models/flux-dev",
+        "trainer.save_folder=/lora",
+    ],
+    "zimage-finetune": [
+        "data.train.local=/data/mds",
+        "model.pretrained=/models/z-image",
+        "trainer.save_folder=/ft",
+    ],
+    "zimage-lora": [
+        "data.train.local=/data/mds",
+        "model.pretrained=/models/z-image",
+        "trainer.save_folder=/lora",
+    ],
     "tiny-cpu": [],
     "tiny-flux-cpu": [],
     "tiny-mmdit-cpu": [],

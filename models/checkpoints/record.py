@@ -86,6 +86,8 @@ def describe(model) -> dict:
         # are the adapter only).
         "pretrained": getattr(model, "pretrained", None),
         "lora": getattr(model, "lora", None),
+        # How a LoRA run stored its frozen base (model.base_weights: None, bf16, fp8, nf4).
+        "base_weights": getattr(model, "base_weights", None),
         # The dtype the denoiser trained in (model.param_dtype): "float32", or "bfloat16" with fp32
         # masters in the optimizer state. `rebuild` builds fp32 whatever it is (models/export.py).
         "param_dtype": str(model.denoiser_dtype).removeprefix("torch."),
