@@ -86,7 +86,7 @@ QUICK = {
             "scheduler.t_warmup=25ba",
             "algorithms.ema.half_life=25ba",
         ],
-        # mmdit-tiny's settings for zimage-tiny (measured: docs/demo.md).
+        # mmdit-tiny's settings for zimage-tiny, as for flux-tiny (its full demo: docs/demo.md).
         "zimage-tiny": [
             "trainer.max_duration=700ba",
             "optimizer.lr=4.0e-3",

@@ -17,7 +17,7 @@ QUICK_COLOR, QUICK_SHAPE = 0.75, 0.6
 def test_every_preset_trains_its_own_model_and_has_quick_settings():
     """`--preset P` trains P (not another preset's recipe), and `--quick` has settings for it that its
     recipe takes and that shorten it."""
-    assert {"tiny", "mmdit-tiny", "flux-tiny"} <= set(RECIPES)
+    assert {"tiny", "mmdit-tiny", "flux-tiny", "zimage-tiny"} <= set(RECIPES)
     for preset, recipe in RECIPES.items():
         runs = [parse_config(load_config(YAMLS / recipe, o)) for o in ([], QUICK["diffusion"][preset])]
         assert [run.model["preset"] for run in runs] == [preset, preset], recipe
