@@ -23,6 +23,7 @@ from models.registry import PRESETS
 from models.training.base_weights import add_adapter_over, store_base
 from models.training.fp8 import convert_to_fp8, fp8_recipe
 from models.training.lora import drop_frozen_weights
+from models.training.lora_layouts import start_from
 from models.training.sharding import configure as configure_sharding
 from models.training.torch_compile import compile_denoiser
 
@@ -146,7 +147,9 @@ def build_model(
         "blocks", "layers") and the ones recomputed in the backward pass under FSDP (None, "blocks",
         "layers"); see models/training/sharding.py (a transformer's blocks and layers are both its
         joint-attention blocks).
-    lora: {rank, alpha, target_modules, dropout} trains a peft LoRA adapter instead of the denoiser
+    lora: {rank, alpha, target_modules, dropout, init_from} trains a peft LoRA adapter instead of the
+        denoiser, starting from the LoRA file `init_from` when given (diffusers' or kohya's layout of the
+        same family, rank and modules: models/training/lora_layouts.py start_from)
         (models/training/lora.py; the family's default targets: models/registry.py `lora_targets`); needs
         every network from `pretrained`, and checkpoints hold the adapter only.
     param_dtype: None or "float32" (the default: fp32 weights, which autocast casts to bf16 on each
@@ -185,8 +188,11 @@ def build_model(
     denoiser = parts[denoiser_name(preset)]
     if base_weights is not None:  # before the adapter: peft wraps the stored layers
         store_base(parts, denoiser_name(preset), preset, base_weights)
+    init_from = lora.pop("init_from", None) if lora is not None else None  # not the record's: read once
     if lora is not None:
         add_adapter_over(denoiser, base_weights, lora)
+    if init_from is not None:
+        start_from(denoiser, init_from, families.of(preset))
     _speed_switches(denoiser, attention, gradient_checkpointing, channels_last, low_precision_norms)
     if PARAM_DTYPES[param_dtype] is not None:
         # In place, channels-last kept. nn.Module's: diffusers' override warns of fp32 modules to

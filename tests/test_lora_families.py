@@ -12,10 +12,11 @@ import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
 
 from models import build_model
+from models.checkpoints.checkpoint_file import LORA_FILE
 from models.export import export_pipeline
 from models.registry import PRESETS, of
 from models.training.lora import add_lora, base_components, merge_lora, save_lora
-from models.training.lora_layouts import LayoutCheckError, kohya_file, save_kohya
+from models.training.lora_layouts import LayoutCheckError, adapter, kohya_file, save_kohya
 from tests.test_families import FAMILIES, PROMPTS, SAMPLING, load_pipeline, pipeline_images
 
 pytestmark = pytest.mark.heavy
@@ -119,6 +120,46 @@ def _refuses_what_differs(denoiser, family, folder: Path) -> None:
         assert str(refused.value).startswith(f"{kohya_file('bad')} (kohya layout) was not written: ")
         assert "\n" not in str(refused.value), corrupt.__name__
         assert not list(folder.iterdir()), corrupt.__name__  # nor its temporary file
+
+
+def test_a_run_starts_from_its_lora_files_and_refuses_another_family_s_or_rank(adapted, tmp_path):
+    """`model.lora.init_from`: the adapter a run starts with is the file's (diffusers' layout, a folder
+    holding it, and the kohya layout where the family has one), tensor for tensor; a file of another
+    rank, or another family's, is one line naming the key."""
+    preset, base, _ = adapted  # the fixture's model: another test merges its adapter away
+    family = of(preset)
+    components = [name for name in family.components if (base / name).is_dir()]
+
+    def started(init_from=None, rank=4):
+        lora = {"rank": rank} if init_from is None else {"rank": rank, "init_from": str(init_from)}
+        return build_model(preset, pretrained=str(base), pretrained_components=components, lora=lora)
+
+    model, generator = started(), torch.Generator().manual_seed(0)
+    with torch.no_grad():  # an adapter of random values (its lora_B starts at zero)
+        for name, p in model.denoiser.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    trained = adapter(model.denoiser)[0]
+    save_lora(model.denoiser, tmp_path / "lora", family.pipeline, family.denoiser)
+    kohya, _ = save_kohya(model.denoiser, tmp_path / "lora", family, "lora")
+
+    for source in [tmp_path / "lora", tmp_path / "lora" / LORA_FILE, kohya][: 3 if kohya else 2]:
+        fresh = started(source)
+        assert "init_from" not in fresh.lora  # the record's: an export never looks for the file
+        got = adapter(fresh.denoiser)[0]
+        assert got.keys() == trained.keys()
+        for name, value in trained.items():  # kohya's folded scale is a power of 2: exact too
+            assert torch.equal(got[name], value), (source.name, name)
+    with pytest.raises(ValueError, match=r"^model.lora.init_from=.*: a rank 4 LoRA; model.lora.rank is 8$"):
+        started(tmp_path / "lora", rank=8)
+
+    other = "sdxl-tiny" if preset == "tiny" else "tiny"  # another family's LoRA, as its pipeline saves it
+    stranger = build_model(other)
+    add_lora(stranger.denoiser, rank=4, alpha=4.0, target_modules=list(of(other).lora_targets), dropout=0.0)
+    save_lora(stranger.denoiser, tmp_path / "other", of(other).pipeline, of(other).denoiser)
+    with pytest.raises(ValueError, match=r"^model.lora.init_from=") as refused:
+        started(tmp_path / "other")
+    assert "\n" not in str(refused.value)
 
 
 def _filled(module: torch.nn.Module) -> torch.nn.Module:

@@ -38,7 +38,7 @@ def check_lora_options(lora: dict, pretrained: str | None, pretrained_components
     errors name the key."""
     from models.registry import of
 
-    known = {"rank", "alpha", "target_modules", "dropout"}
+    known = {"rank", "alpha", "target_modules", "dropout", "init_from"}
     if unknown := set(lora) - known:
         raise ValueError(f"model.lora: unknown keys {sorted(unknown)}; choose from {sorted(known)}")
     rank = lora.get("rank", 4)
@@ -52,12 +52,21 @@ def check_lora_options(lora: dict, pretrained: str | None, pretrained_components
             "model.lora trains an adapter on a pretrained model: set model.pretrained and load "
             f"{needed} from it (missing: {missing or 'model.pretrained'})"
         )
-    return {
+    options = {
         "rank": rank,
         "alpha": float(lora.get("alpha") or rank),
         "target_modules": list(lora.get("target_modules") or of(preset).lora_targets),
         "dropout": float(lora.get("dropout", 0.0)),
     }
+    if lora.get("init_from") is not None:  # a LoRA file to start from (models/training/lora_layouts.py)
+        source = Path(str(lora["init_from"])).expanduser()
+        if not (source.is_file() or (source / LORA_FILE).is_file()):
+            raise ValueError(
+                f"model.lora.init_from={lora['init_from']}: no LoRA file there (give a .safetensors file, "
+                f"or a folder holding {LORA_FILE})"
+            )
+        options["init_from"] = str(source)
+    return options
 
 
 def add_lora(denoiser, rank: int, alpha: float, target_modules: list[str], dropout: float) -> None:

@@ -146,3 +146,43 @@ def save_kohya(denoiser, folder: str | Path, family, name: str) -> tuple[Path | 
         except LayoutCheckError as error:
             raise LayoutCheckError(f"{path.name} (kohya layout) was not written: {error}") from None
     return path, None
+
+
+def start_from(denoiser, path: str | Path, family) -> None:
+    """Set `denoiser`'s adapter (as `model.lora` just added it) to the LoRA file at `path` (diffusers'
+    file, a folder holding it, or a kohya file), read as the family pipeline's load_lora_weights reads
+    it, with the scale it applies folded into lora_A so that the adapter's own alpha / r gives the same
+    update. A file of another family, rank or set of modules is one ValueError line."""
+    from peft.utils import set_peft_model_state_dict
+
+    from models.checkpoints.checkpoint_file import LORA_FILE
+
+    file = Path(path) / LORA_FILE if Path(path).is_dir() else Path(path)
+    named = f"model.lora.init_from={path}"
+    state, alpha, rank = adapter(denoiser)
+    try:
+        read, alphas, metadata = _read(family.pipeline, file, family.denoiser)
+    except LayoutCheckError as error:
+        raise ValueError(f"{named}: not a LoRA of the {family.name} family: {error}") from None
+    ranks = sorted({v.shape[0] for k, v in read.items() if ".lora_A." in k})
+    if ranks != [rank]:
+        raise ValueError(f"{named}: a rank {'/'.join(map(str, ranks))} LoRA; model.lora.rank is {rank}")
+    missing, other = sorted(state.keys() - read.keys()), sorted(read.keys() - state.keys())
+    if missing or other:
+        example = f"e.g. {(missing or other)[0]}"
+        raise ValueError(
+            f"{named}: its modules are not the adapter's (model.lora.target_modules): {len(missing)} of the "
+            f"adapter's {len(state)} tensors missing, {len(other)} others ({example})"
+        )
+    shaped = sorted(k for k in state if read[k].shape != state[k].shape)
+    if shaped:
+        raise ValueError(
+            f"{named}: {shaped[0]} is {tuple(read[shaped[0]].shape)}, the adapter's "
+            f"{tuple(state[shaped[0]].shape)}: a LoRA of another model of the {family.name} family"
+        )
+    try:
+        factor = _scale(alphas, metadata, rank, sum(".lora_A." in k for k in state)) / (alpha / rank)
+    except LayoutCheckError as error:
+        raise ValueError(f"{named}: {error}") from None
+    weights = {k: v * factor if ".lora_A." in k else v for k, v in read.items()}
+    set_peft_model_state_dict(denoiser, weights, adapter_name="default")
