@@ -38,11 +38,19 @@ SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen's padding and 
 
 class LLMHiddenStates:
     """`text_encoder` (a decoder LLM: transformers' Qwen3Model) and `tokenizer` with its chat template;
-    the holder's `text_tokens` is the length the tokenizer pads to (the pipeline's max_sequence_length)."""
+    the holder's `text_tokens` is the length the tokenizer pads to (the pipeline's max_sequence_length).
+
+    Z-Image's by default. `layers`: the hidden_states taken, side by side per token (FLUX.2 klein's
+    9, 18, 27: Flux2KleinPipeline._get_qwen3_prompt_embeds); `thinking`: the chat template's
+    enable_thinking; `keep_padding`: the padded rows stay as the encoder computed them and the
+    denoiser gets all of them (klein's), instead of zeros that the model drops (Z-Image's)."""
 
     text_parts: tuple[str, ...] = ("text_encoder", "tokenizer")
     pooled = False  # no global vector
     reads_t5 = False
+
+    def __init__(self, layers: tuple[int, ...] = (HIDDEN_LAYER,), thinking: bool = True, keep_padding=False):
+        self.layers, self.thinking, self.keep_padding = tuple(layers), thinking, keep_padding
 
     def ids(self, parts, captions: list[str]) -> dict[str, torch.Tensor]:
         """(B, text_tokens) ids of the captions' chat prompts, PADDING where the tokenizer padded."""
@@ -52,7 +60,7 @@ class LLMHiddenStates:
                 [{"role": "user", "content": caption}],
                 tokenize=False,
                 add_generation_prompt=True,
-                enable_thinking=True,
+                enable_thinking=self.thinking,
             )
             for caption in captions
         ]
@@ -66,19 +74,20 @@ class LLMHiddenStates:
 
     @torch.no_grad()
     def encode(self, parts, ids) -> dict[str, torch.Tensor]:
-        """`text_embeds`: the encoder's HIDDEN_LAYER output with the attention mask of the ids, zeros
-        where padded."""
+        """`text_embeds`: the encoder's outputs at `layers` (side by side) with the attention mask of the
+        ids; zeros where padded unless `keep_padding`."""
         input_ids = ids["input_ids"]
         mask = input_ids != PADDING
         pad = parts.tokenizer.pad_token_id if parts.tokenizer is not None else 0
         # On the meta device (shapes, FLOPs: models/flop_count.py) no mask: transformers reads the mask's
         # values to choose its attention path, and the full context is what is counted anyway.
-        hidden = parts.text_encoder(
+        states = parts.text_encoder(
             input_ids=input_ids.masked_fill(~mask, pad),
             attention_mask=None if input_ids.is_meta else mask,
             output_hidden_states=True,
-        ).hidden_states[HIDDEN_LAYER]
-        return {"text_embeds": hidden.masked_fill(~mask[..., None], 0.0)}
+        ).hidden_states
+        hidden = torch.cat([states[k] for k in self.layers], dim=-1)  # klein's stack + reshape, per token
+        return {"text_embeds": hidden if self.keep_padding else hidden.masked_fill(~mask[..., None], 0.0)}
 
     def loader_inputs(self, parts) -> dict:
         """The loader tokenizes captions with `ids` (data/image_caption.py's `caption_ids`)."""
