@@ -32,7 +32,7 @@ from composer.loggers import Logger
 from composer.utils import dist, parse_uri
 
 from common.atomic import atomic_path
-from extensions.quality_target import DEFAULT_METRICS, _evaluates_never
+from extensions.quality_target import DEFAULT_METRICS, evaluates_never
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def config_problem(trainer: dict, holdout, eval_data) -> str | None:
             "deletes each one as it is saved; keep at least 1 (or -1: all)"
         )
     interval = trainer.get("eval_interval")
-    if interval is not None and _evaluates_never(interval):
+    if interval is not None and evaluates_never(interval):
         return (
             f"'trainer.eval_interval' is {interval!r}, which never evaluates, so trainer.keep_best has "
             "nothing to judge by; set it to a positive interval (e.g. 1000ba), or trainer.keep_best=false"

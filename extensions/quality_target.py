@@ -55,7 +55,7 @@ def config_problem(callbacks: dict, eval_data, trainer: dict | None = None) -> s
                 f"data.eval and trainer.eval_interval, or set {key}=null"
             )
         interval = trainer.get("eval_interval")
-        if interval is not None and _evaluates_never(interval):
+        if interval is not None and evaluates_never(interval):
             return (
                 f"'trainer.eval_interval' is {interval!r}, which never evaluates, so {key}={spec['target']} "
                 f"can never be judged; set trainer.eval_interval to a positive interval (e.g. 1000ba, "
@@ -71,7 +71,7 @@ def config_problem(callbacks: dict, eval_data, trainer: dict | None = None) -> s
     return None
 
 
-def _evaluates_never(interval) -> bool:
+def evaluates_never(interval) -> bool:
     """Composer's evaluator never runs at an interval of 0 or less (`create_interval_scheduler`), and
     0 is how its docs turn evaluation off. An interval it cannot parse is left to Composer."""
     from composer.core import Time, TimeUnit

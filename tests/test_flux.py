@@ -11,7 +11,7 @@ from models import build_model
 from models.build import bundled_tokenizers
 from models.cli_checks import size_multiple_of
 from models.components import build_components
-from models.engine.objectives import RectifiedFlow
+from models.engine.objectives import FlowOptions, RectifiedFlow
 from models.families.flux.model import TRAIN_GUIDANCE, Flux, image_ids, pack, unpack
 from models.presets import size_multiple
 from tests.conftest import REPO, tiny_run
@@ -61,7 +61,7 @@ def test_uniform_timesteps_are_the_presets_default_and_an_option():
     assert build_model("flux-tiny", timestep_density="logit_normal").timestep_density == "logit_normal"
     assert build_model("mmdit-tiny").timestep_density == "logit_normal"
     scheduler = build_model("flux-tiny").noise_scheduler
-    t = RectifiedFlow(scheduler, timestep_density="uniform").sample_timesteps(
+    t = RectifiedFlow(scheduler, FlowOptions(timestep_density="uniform")).sample_timesteps(
         torch.randn(200_000, generator=torch.Generator().manual_seed(0)), (32, 32)
     )
     counts = torch.histc(t, bins=10, min=0, max=1) / len(t)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 
-from models.engine.objectives import DDPM, RectifiedFlow, seeded_draws, seeded_flow_draws
+from models.engine.objectives import DDPM, FlowOptions, RectifiedFlow, seeded_draws, seeded_flow_draws
 from models.registry import PRESETS
 
 SHAPE = (3, 4, 2, 2)  # a batch of 3 latents, 4 channels, 2 x 2
@@ -120,7 +120,9 @@ def test_seeded_draws_are_deterministic_and_per_sample():
 
 
 def test_flow_noisy_input_target_and_timesteps():
-    objective = RectifiedFlow(FlowMatchEulerDiscreteScheduler(shift=3.0), timestep_mean=0.5, timestep_std=0.8)
+    objective = RectifiedFlow(
+        FlowMatchEulerDiscreteScheduler(shift=3.0), FlowOptions(timestep_mean=0.5, timestep_std=0.8)
+    )
     x0, draws = _latents_and_draws(objective)
     noisy, timesteps, target, t = objective.diffuse(x0, draws, (32, 32))
     u = torch.sigmoid(0.5 + 0.8 * draws["normal"].double())
@@ -136,7 +138,7 @@ def test_flow_noisy_input_target_and_timesteps():
 
 @pytest.mark.parametrize("weighting, at_half", [(None, None), ("sigma_sqrt", 4.0), ("cosmap", 4 / math.pi)])
 def test_flow_loss_weighting(weighting, at_half):
-    objective = RectifiedFlow(FlowMatchEulerDiscreteScheduler(), loss_weighting=weighting)
+    objective = RectifiedFlow(FlowMatchEulerDiscreteScheduler(), FlowOptions(loss_weighting=weighting))
     t = torch.tensor([0.5, 0.2])
     prediction, target = torch.randn(2, 4, 2, 2), torch.randn(2, 4, 2, 2)
     per_sample = ((prediction - target) ** 2).mean(dim=(1, 2, 3))
@@ -169,7 +171,7 @@ def test_ddpm_sampler_keeps_the_schedule():
 
 @pytest.mark.parametrize("option, at_512", [(None, 3.0), (2.0, 2.0), ("auto", 2.0)])
 def test_flow_shift_is_the_samplers(option, at_512):
-    objective = RectifiedFlow(FlowMatchEulerDiscreteScheduler(shift=3.0), timestep_shift=option)
+    objective = RectifiedFlow(FlowMatchEulerDiscreteScheduler(shift=3.0), FlowOptions(timestep_shift=option))
     assert objective.shift_for((512, 512)) == pytest.approx(at_512)
     sampler = objective.sampler((512, 512))
     assert type(sampler) is FlowMatchEulerDiscreteScheduler and sampler.config.shift == pytest.approx(at_512)
@@ -181,12 +183,12 @@ def test_flow_shift_is_the_samplers(option, at_512):
 def test_flow_options_refused():
     scheduler = FlowMatchEulerDiscreteScheduler()
     with pytest.raises(ValueError, match="timestep_std must be positive"):
-        RectifiedFlow(scheduler, timestep_std=0)
+        RectifiedFlow(scheduler, FlowOptions(timestep_std=0))
     for shift in (0, -1.0, "big", True):
         with pytest.raises(ValueError, match="timestep_shift must be"):
-            RectifiedFlow(scheduler, timestep_shift=shift)
+            RectifiedFlow(scheduler, FlowOptions(timestep_shift=shift))
     with pytest.raises(ValueError, match="loss_weighting='snr'"):
-        RectifiedFlow(scheduler, loss_weighting="snr")
+        RectifiedFlow(scheduler, FlowOptions(loss_weighting="snr"))
     with pytest.raises(TypeError, match="FlowMatchEulerDiscreteScheduler, not DDPMScheduler"):
         RectifiedFlow(_ddpm_scheduler())
     with pytest.raises(ValueError, match="use_dynamic_shifting"):

@@ -4,19 +4,17 @@ how a component is built from a config. Nothing here names a family.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import CLIPTokenizer, PreTrainedModel, T5TokenizerFast
 
-from models.engine.objectives import SAMPLERS
+from models.engine.objectives import SAMPLERS, FlowOptions
 
 REQUIRED = object()  # an option every record of the family has (no default)
-# The rectified-flow objective's options (models/engine/objectives.py); timestep_shift None: the
-# scheduler's shift; timestep_density None: the preset's (`timestep_density`), else logit-normal.
-FLOW_OPTIONS = dict(
-    timestep_mean=0.0, timestep_std=1.0, timestep_shift=None, loss_weighting=None, timestep_density=None
-)
+# The rectified-flow objective's options with their defaults (FlowOptions, models/engine/objectives.py);
+# timestep_density None: the preset's (`timestep_density`), else logit-normal.
+FLOW_OPTIONS = {option.name: option.default for option in fields(FlowOptions)}
 # The DDPM objective's options with their defaults; a preset of a flow family refuses them.
 DDPM_OPTIONS = dict(prediction_type=None, offset_noise=0.0, min_snr_gamma=None, zero_terminal_snr=False)
 OBJECTIVE_OPTIONS = {"ddpm": DDPM_OPTIONS, "flow": FLOW_OPTIONS}

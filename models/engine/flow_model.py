@@ -12,7 +12,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from models.engine.latent_diffusion import LatentDiffusion
-from models.engine.objectives import RectifiedFlow, forwarded
+from models.engine.objectives import FlowOptions, RectifiedFlow, forwarded
 
 
 class FlowTransformer(LatentDiffusion):
@@ -33,20 +33,10 @@ class FlowTransformer(LatentDiffusion):
     loss_weighting = forwarded("loss_weighting")
     timestep_density = forwarded("timestep_density")
 
-    def __init__(
-        self,
-        noise_scheduler: FlowMatchEulerDiscreteScheduler,
-        timestep_mean: float = 0.0,
-        timestep_std: float = 1.0,
-        timestep_shift: float | str | None = None,
-        loss_weighting: str | None = None,
-        timestep_density: str | None = None,
-        caption_drop_prob: float = 0.0,
-    ):
-        objective = RectifiedFlow(
-            noise_scheduler, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density
-        )
-        super().__init__(objective, caption_drop_prob)
+    def __init__(self, noise_scheduler: FlowMatchEulerDiscreteScheduler, caption_drop_prob=0.0, **objective):
+        """`objective`: FlowOptions' fields (models/engine/objectives.py), as the model records and the
+        YAML's `model:` keys name them; an unknown one is a TypeError naming it."""
+        super().__init__(RectifiedFlow(noise_scheduler, FlowOptions(**objective)), caption_drop_prob)
 
     def set_parts(
         self, transformer, vae, encoders: dict, tokenizers: dict, latent_scale, latent_shift, t5_tokens: int
@@ -112,3 +102,23 @@ class FlowTransformer(LatentDiffusion):
         if height % multiple or width % multiple:
             raise ValueError(f"height and width must be multiples of {multiple}, got {height} x {width}")
         return height, width
+
+    def euler_steps(self, scheduler, latents: torch.Tensor, velocity) -> torch.Tensor:
+        """The flow pipelines' sampling loop: at each of `scheduler`'s timesteps t an Euler step with
+        `velocity(latents, t)`, the transformer in eval mode meanwhile. `velocity` is the family's
+        guided call, as its pipeline makes it: the order of the guided sum and the batching change the
+        last bits, which an export must reproduce (SD3: one call on [uncond, cond]; FLUX.1: a second
+        call; Z-Image: one call on [cond, uncond], cond + g (cond - uncond))."""
+        was_training = self.transformer.training
+        self.transformer.eval()
+        try:
+            for t in scheduler.timesteps:
+                latents = scheduler.step(velocity(latents, t), t, latents).prev_sample
+        finally:
+            self.transformer.train(was_training)
+        return latents
+
+    def to_images(self, latents: torch.Tensor) -> torch.Tensor:
+        """Sampled latents -> images (B, 3, H, W) in [0, 1], decoded as the pipelines decode."""
+        images = self.vae.decode(self.unscale_latents(latents).to(self.vae.dtype)).sample
+        return (images.float() / 2 + 0.5).clamp(0, 1)

@@ -18,6 +18,7 @@ before them in training), so a run's numbers do not depend on how this code is a
 """
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -223,6 +224,38 @@ def loss_weights(t: torch.Tensor, weighting: str | None) -> torch.Tensor:
     raise ValueError(f"loss_weighting={weighting!r}; choose one of {LOSS_WEIGHTINGS}")
 
 
+@dataclass(frozen=True)
+class FlowOptions:
+    """Rectified flow's options, under the names the YAML's `model:` keys and the model records give
+    them (models/engine/family.py FLOW_OPTIONS reads the defaults here): the one object the flow models
+    hand their objective. What each does: RectifiedFlow's docstring. Checked when made."""
+
+    timestep_mean: float = 0.0
+    timestep_std: float = 1.0
+    timestep_shift: float | str | None = None  # None: the noise scheduler's shift
+    loss_weighting: str | None = None
+    timestep_density: str | None = None  # None: the preset's, else TIMESTEP_DENSITIES[0]
+
+    def __post_init__(self):
+        density = self.timestep_density or TIMESTEP_DENSITIES[0]
+        if density not in TIMESTEP_DENSITIES:
+            raise ValueError(f"timestep_density={density!r}; choose one of {TIMESTEP_DENSITIES}")
+        if density == "uniform" and (self.timestep_mean, self.timestep_std) != (0.0, 1.0):
+            raise ValueError(
+                "timestep_mean and timestep_std shape the logit-normal density; timestep_density=uniform "
+                "takes neither"
+            )
+        if not self.timestep_std > 0:
+            raise ValueError(f"timestep_std must be positive, not {self.timestep_std}")
+        shift = self.timestep_shift
+        if shift not in (None, "auto") and (isinstance(shift, bool | str) or not float(shift) > 0):
+            raise ValueError(
+                f"timestep_shift must be None (the scheduler's), a positive number or 'auto', not {shift!r}"
+            )
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting={self.loss_weighting!r}; choose one of {LOSS_WEIGHTINGS}")
+
+
 class RectifiedFlow:
     """Rectified flow as SD3 trains it (Esser et al. 2024, "Scaling Rectified Flow Transformers for
     High-Resolution Image Synthesis", sections 2 and 3.1):
@@ -248,37 +281,11 @@ class RectifiedFlow:
     prediction_type = "flow_prediction"  # diffusers' name for the velocity target, noise - x0
     zero_terminal_snr = False
 
-    def __init__(
-        self,
-        noise_scheduler: FlowMatchEulerDiscreteScheduler,
-        timestep_mean: float = 0.0,
-        timestep_std: float = 1.0,
-        timestep_shift: float | str | None = None,
-        loss_weighting: str | None = None,
-        timestep_density: str | None = None,
-    ):
-        timestep_density = timestep_density or TIMESTEP_DENSITIES[0]
-        if timestep_density not in TIMESTEP_DENSITIES:
-            raise ValueError(f"timestep_density={timestep_density!r}; choose one of {TIMESTEP_DENSITIES}")
-        if timestep_density == "uniform" and (timestep_mean, timestep_std) != (0.0, 1.0):
-            raise ValueError(
-                "timestep_mean and timestep_std shape the logit-normal density; timestep_density=uniform "
-                "takes neither"
-            )
-        if not timestep_std > 0:
-            raise ValueError(f"timestep_std must be positive, not {timestep_std}")
-        if timestep_shift not in (None, "auto") and (
-            isinstance(timestep_shift, bool | str) or not float(timestep_shift) > 0
-        ):
-            raise ValueError(
-                f"timestep_shift must be None (the scheduler's), a positive number or 'auto', not "
-                f"{timestep_shift!r}"
-            )
-        if loss_weighting not in LOSS_WEIGHTINGS:
-            raise ValueError(f"loss_weighting={loss_weighting!r}; choose one of {LOSS_WEIGHTINGS}")
+    def __init__(self, noise_scheduler: FlowMatchEulerDiscreteScheduler, options: FlowOptions | None = None):
+        options = options or FlowOptions()
         if not isinstance(noise_scheduler, FlowMatchEulerDiscreteScheduler):
             raise TypeError(
-                "an mmdit model samples with FlowMatchEulerDiscreteScheduler, not "
+                "a flow model samples with FlowMatchEulerDiscreteScheduler, not "
                 f"{type(noise_scheduler).__name__}"
             )
         if noise_scheduler.config.get("use_dynamic_shifting"):
@@ -286,10 +293,12 @@ class RectifiedFlow:
                 "a scheduler with use_dynamic_shifting (Flux's) is not supported: give it a fixed shift"
             )
         self.scheduler = noise_scheduler
-        self.timestep_mean, self.timestep_std = float(timestep_mean), float(timestep_std)
-        self.timestep_shift = timestep_shift if timestep_shift in (None, "auto") else float(timestep_shift)
-        self.loss_weighting = loss_weighting
-        self.timestep_density = timestep_density
+        # Attributes rather than `self.options`: the models forward them and tests set them one by one.
+        self.timestep_mean, self.timestep_std = float(options.timestep_mean), float(options.timestep_std)
+        shift = options.timestep_shift
+        self.timestep_shift = shift if shift in (None, "auto") else float(shift)
+        self.loss_weighting = options.loss_weighting
+        self.timestep_density = options.timestep_density or TIMESTEP_DENSITIES[0]
 
     def shift_for(self, image_size: tuple[int, int]) -> float:
         """The timestep shift for images of `image_size` (height, width) pixels, in training and in

@@ -93,17 +93,10 @@ class Flux(FlowTransformer):
         latent_scale: float,
         t5_tokens: int,
         latent_shift: float = 0.0,
-        timestep_mean: float = 0.0,
-        timestep_std: float = 1.0,
-        timestep_shift: float | str | None = None,
-        loss_weighting: str | None = None,
-        timestep_density: str | None = None,
         caption_drop_prob: float = 0.0,
+        **objective,
     ):
-        super().__init__(
-            noise_scheduler, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
-            caption_drop_prob,
-        )  # fmt: skip
+        super().__init__(noise_scheduler, caption_drop_prob, **objective)
         config = transformer.config
         latent_channels = vae.config.latent_channels * PATCH * PATCH
         widths = (text_encoder_2.config.d_model, text_encoder.config.hidden_size, latent_channels)
@@ -251,16 +244,14 @@ class Flux(FlowTransformer):
         noise = self.initial_noise((n, self.vae.config.latent_channels, *size), seed, seeds)
         latents = pack(noise.to(device))  # fp32, as FluxPipeline's (its text encoders' dtype)
         guidance = guidance_scale if embedded else None
-        was_training = self.transformer.training
-        self.transformer.eval()
-        for t in scheduler.timesteps:
+
+        def velocity(latents, t):
             timestep = t.expand(n).to(latents.dtype) / PIPELINE_TIMESTEP_SCALE
             model_in = latents.to(self.denoiser_dtype)
             velocity = self.velocity(model_in, size, timestep, positive, guidance).float()
             if guided:  # FluxPipeline's true CFG: a second call on the negative condition
                 uncond = self.velocity(model_in, size, timestep, negative, guidance).float()
                 velocity = uncond + guidance_scale * (velocity - uncond)
-            latents = scheduler.step(velocity, t, latents).prev_sample
-        self.transformer.train(was_training)
-        images = self.vae.decode(self.unscale_latents(unpack(latents, *size))).sample
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+            return velocity
+
+        return self.to_images(unpack(self.euler_steps(scheduler, latents, velocity), *size))

@@ -85,17 +85,10 @@ class RectifiedFlowTransformer(FlowTransformer):
         latent_shift: float = 0.0,
         text_encoder_3=None,
         tokenizer_3=None,
-        timestep_mean: float = 0.0,
-        timestep_std: float = 1.0,
-        timestep_shift: float | str | None = None,
-        loss_weighting: str | None = None,
-        timestep_density: str | None = None,
         caption_drop_prob: float = 0.0,
+        **objective,
     ):
-        super().__init__(
-            noise_scheduler, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
-            caption_drop_prob,
-        )  # fmt: skip
+        super().__init__(noise_scheduler, caption_drop_prob, **objective)
         if (text_encoder_3 is None) != (tokenizer_3 is None):
             raise ValueError("text_encoder_3 (T5) and tokenizer_3 come together: give both or neither")
         config = transformer.config
@@ -263,9 +256,8 @@ class RectifiedFlowTransformer(FlowTransformer):
         latents = self.initial_noise(shape, seed, seeds).to(device, condition["encoder_hidden_states"].dtype)
         dtype = self.denoiser_dtype
         condition = in_dtype(condition, dtype)
-        was_training = self.transformer.training
-        self.transformer.eval()
-        for t in scheduler.timesteps:
+
+        def velocity(latents, t):
             model_in = torch.cat([latents, latents]) if guided else latents
             velocity = self.transformer(
                 hidden_states=model_in.to(dtype), timestep=t.expand(model_in.shape[0]), **condition
@@ -273,7 +265,6 @@ class RectifiedFlowTransformer(FlowTransformer):
             if guided:
                 uncond, cond = velocity.chunk(2)
                 velocity = uncond + guidance_scale * (cond - uncond)
-            latents = scheduler.step(velocity, t, latents).prev_sample
-        self.transformer.train(was_training)
-        images = self.vae.decode(self.unscale_latents(latents)).sample
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+            return velocity
+
+        return self.to_images(self.euler_steps(scheduler, latents, velocity))

@@ -35,7 +35,7 @@ PIPELINE_TIMESTEP_SCALE = 1000  # the scheduler's timesteps are sigmas x 1000
 class ZImage(FlowTransformer):
     """`transformer` trains; the VAE and the LLM are frozen and stay in eval mode.
 
-    Objective options: as the other flow families' (models/engine/family.py FLOW_OPTIONS).
+    Objective options: FlowOptions (models/engine/objectives.py), as the other flow families.
     text_tokens: the length the tokenizer pads each chat prompt to (the pipeline's max_sequence_length).
     """
 
@@ -53,17 +53,10 @@ class ZImage(FlowTransformer):
         latent_scale: float,
         text_tokens: int,
         latent_shift: float = 0.0,
-        timestep_mean: float = 0.0,
-        timestep_std: float = 1.0,
-        timestep_shift: float | str | None = None,
-        loss_weighting: str | None = None,
-        timestep_density: str | None = None,
         caption_drop_prob: float = 0.0,
+        **objective,
     ):
-        super().__init__(
-            noise_scheduler, timestep_mean, timestep_std, timestep_shift, loss_weighting, timestep_density,
-            caption_drop_prob,
-        )  # fmt: skip
+        super().__init__(noise_scheduler, caption_drop_prob, **objective)
         config = transformer.config
         widths = (text_encoder.config.hidden_size, vae.config.latent_channels)
         if widths != (config.cap_feat_dim, config.in_channels):
@@ -166,18 +159,14 @@ class ZImage(FlowTransformer):
         cap_feats = in_dtype({"cap_feats": positive + negative if guided else positive}, dtype)["cap_feats"]
         size = (height // factor, width // factor)
         latents = self.initial_noise((n, self.vae.config.latent_channels, *size), seed, seeds).to(device)
-        was_training = self.transformer.training
-        self.transformer.eval()
-        for t in scheduler.timesteps:
+
+        def velocity(latents, t):
             time = (PIPELINE_TIMESTEP_SCALE - t.expand(n)) / PIPELINE_TIMESTEP_SCALE
             model_in = latents.to(dtype)
-            if guided:
-                both = self.velocity(model_in.repeat(2, 1, 1, 1), time.repeat(2), cap_feats)
-                cond, uncond = both[:n], both[n:]
-                velocity = cond + guidance_scale * (cond - uncond)
-            else:
-                velocity = self.velocity(model_in, time, cap_feats)
-            latents = scheduler.step(velocity, t, latents).prev_sample
-        self.transformer.train(was_training)
-        images = self.vae.decode(self.unscale_latents(latents).to(self.vae.dtype)).sample
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+            if not guided:
+                return self.velocity(model_in, time, cap_feats)
+            both = self.velocity(model_in.repeat(2, 1, 1, 1), time.repeat(2), cap_feats)
+            cond, uncond = both[:n], both[n:]
+            return cond + guidance_scale * (cond - uncond)
+
+        return self.to_images(self.euler_steps(scheduler, latents, velocity))
