@@ -34,6 +34,7 @@ from models.engine.conditioners import T5_IDS
 from models.engine.draw_keys import SAMPLE_INDEX
 from models.engine.eval_timesteps import STORED as EVAL_TIMESTEP
 from models.engine.pixels import to_float
+from models.engine.prior_loss import PRIOR
 from models.engine.tokenizer import tokenize, tokenize_t5
 
 TOKEN_CACHE_SIZE = 4096  # 4096 x 77 int64 = 2.5 MB per dataset
@@ -163,6 +164,8 @@ class ImageCaptionDataset(StreamingBase):
             out["crop_top_left"] = torch.tensor(crop.top_left)
         if EVAL_TIMESTEP in sample:  # a set with its own fixed validation timesteps (MLPerf's COCO)
             out[EVAL_TIMESTEP] = int(sample[EVAL_TIMESTEP])
+        if PRIOR in sample:  # DreamBooth's class-image flag (recipes/dreambooth.py)
+            out[PRIOR] = int(sample[PRIOR])
         out[SAMPLE_INDEX] = int(index)  # training draws keyed per sample (models/engine/draw_keys.py)
         return out
 

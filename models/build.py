@@ -254,7 +254,7 @@ def _parts(preset: str, pretrained: str | None, pretrained_components: list[str]
             pretrained, "force_zeros_for_empty_prompt", True
         )
     if "vae" in pretrained_components:  # the latent scale belongs to the VAE it was measured on
-        parts["latent_scale"] = parts["vae"].config.scaling_factor
+        parts["latent_scale"] = parts["vae"].config.get("scaling_factor", 1.0)  # none in FLUX.2's: 1
         if "latent_shift" in options:  # and so does SD3's shift (None in VAEs that have none)
             parts["latent_shift"] = parts["vae"].config.get("shift_factor") or 0.0
     return parts

@@ -35,7 +35,8 @@ def build_components(preset: str, skip: tuple[str, ...] | list[str] = ()) -> dic
             continue  # tokenizers: models.build.bundled_tokenizers
         if name in OPTIONAL and not bundled_t5(preset):
             continue
-        parts[key] = construct(cls, spec[name])
+        # A preset whose network is another class than its family's (FLUX.2-dev's Mistral 3 text encoder).
+        parts[key] = construct(spec.get("component_classes", {}).get(name, cls), spec[name])
     return {**parts, **{key: spec[key] for key in ("latent_scale", "latent_shift") if key in spec}}
 
 
@@ -70,7 +71,8 @@ def load_folder(folder: Path, family: Family) -> dict:
 
 def folder_options(family: Family, folder: Path, parts: dict) -> dict:
     """`family`'s model's options from an exported pipeline folder whose components are `parts`."""
-    options = {"latent_scale": parts["vae"].config.scaling_factor}
+    # A VAE without a scalar scale (FLUX.2's normalises by its batch-norm statistics) scales by 1.
+    options = {"latent_scale": parts["vae"].config.get("scaling_factor", 1.0)}
     if "prediction_type" in family.options:
         options["prediction_type"] = parts["noise_scheduler"].config.get("prediction_type", "epsilon")
     # SDXL's unconditional branch (models/families/sdxl/model.py)

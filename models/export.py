@@ -53,6 +53,7 @@ failed or killed export leaves no half-written OUT_DIR.
 
 import argparse
 import functools
+import inspect
 import logging
 from pathlib import Path
 
@@ -283,8 +284,10 @@ def export_pipeline(model: StableDiffusion | RectifiedFlowTransformer, out_dir: 
 
 def _write_pipeline(model, folder: Path, out_dir: Path) -> None:
     """The pipeline's files into `folder` (a temporary name for `out_dir`, which the log names)."""
-    # The pipeline decodes with vae.config.scaling_factor; the model with its own latent_scale.
-    model.vae.register_to_config(scaling_factor=float(model.latent_scale))
+    # The pipeline decodes with vae.config.scaling_factor; the model with its own latent_scale. A VAE
+    # that takes none (FLUX.2's: its batch-norm statistics, weights of its own) has latent_scale 1.
+    if "scaling_factor" in inspect.signature(type(model.vae)).parameters:
+        model.vae.register_to_config(scaling_factor=float(model.latent_scale))
     family = families.of_model(model)
     if family.save_folder is not None:
         family.save_folder(model, folder, shown_as=out_dir)

@@ -12,12 +12,13 @@ import torch
 
 from models.engine.family import OPTIONAL, Family
 from models.families.flux.family import FAMILY as FLUX
+from models.families.flux2.family import FAMILY as FLUX2
 from models.families.mmdit.family import FAMILY as MMDIT
 from models.families.sd.family import FAMILY as SD
 from models.families.sdxl.family import FAMILY as SDXL
 from models.families.zimage.family import FAMILY as ZIMAGE
 
-FAMILIES = {family.name: family for family in (SD, SDXL, MMDIT, FLUX, ZIMAGE)}
+FAMILIES = {family.name: family for family in (SD, SDXL, MMDIT, FLUX, ZIMAGE, FLUX2)}
 PRESETS = {name: spec for family in FAMILIES.values() for name, spec in family.presets.items()}
 MODEL_CLASSES = {name: family.model_class for name, family in FAMILIES.items()}
 

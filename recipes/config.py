@@ -31,6 +31,8 @@ from recipes.checks import (
     resolution_problem,
     save_folder_problem,
 )
+from recipes.dreambooth import DreamBoothConfig
+from recipes.dreambooth import config_problem as dreambooth_problem
 from recipes.evaluators import RECIPE_TRAINER_KEYS, with_fixed_timesteps
 from recipes.parallelism import Parallelism, config_problem
 
@@ -64,6 +66,8 @@ class RunConfig:
     # A recipe YAML that writes `model.pretrained` when that folder is missing (the tiny recipe's
     # VAE: yamls/tiny-vae.yaml). Run once, on first use, like `data.train.prepare`.
     prepare_pretrained: str | None = None
+    # DreamBooth: instance images and prompt, optional prior preservation (recipes/dreambooth.py).
+    dreambooth: DreamBoothConfig | None = None
 
 
 # composer.Trainer arguments that the recipe fills in from other keys of the config.
@@ -100,6 +104,7 @@ def parse_config(cfg: DictConfig | dict) -> RunConfig:
     for split in ("train", "eval"):
         if (data := getattr(run.data, split)) is not None:
             _refuse(resolution_problem(run.model["preset"], f"data.{split}", data.resolution))
+    _refuse(dreambooth_problem(run.dreambooth, run.data.train, run.global_train_batch_size))
     _check_trainer_keys(run.trainer)
     _check_max_duration(run.trainer)
     _refuse(fsdp_problem(run.trainer))

@@ -43,6 +43,7 @@ from models.training.fp8 import cpu_emulation
 from models.training.torch_compile import compiles_with_cudagraphs
 from recipes.config import ConfigError, RunConfig, check_device, parse_config
 from recipes.data_checks import check_data
+from recipes.dreambooth import PRIOR_SHARE, prepare_dreambooth
 from recipes.evaluators import attach_keep_best, eval_dataloaders, trainer_options
 from recipes.keep_checkpoints import adopt_earlier_checkpoints
 from recipes.load_check import resume_and_check
@@ -77,6 +78,8 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
     install_atomic_checkpoint_writes()
     skip_cpu_probe()  # Composer's Trainer would run py-cpuinfo in a subprocess (1.1 s) to log the CPU's name
     upload_in_threads()  # Composer's upload processes would outlive a killed run (tests/test_killed_run.py)
+    if run.dreambooth is not None:  # data.train from its folders, class images drawn where missing
+        run = _dreambooth_data(run)
     for split, data_cfg in (("train", run.data.train), ("eval", run.data.eval)):
         try:
             if data_cfg is not None:
@@ -119,6 +122,15 @@ def build_trainer(cfg: RunConfig | DictConfig | dict) -> Trainer:
         # compared and filtered across runs.
         destination.log_hyperparameters(_flat(params) if isinstance(destination, MLFlowLogger) else params)
     return trainer
+
+
+def _dreambooth_data(run: RunConfig) -> RunConfig:
+    gpu = run.trainer.get("device") == "gpu" and torch.cuda.is_available()
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if gpu else "cpu"  # the rank that draws, its own GPU
+    try:
+        return prepare_dreambooth(run, device)
+    except (ValueError, FileNotFoundError) as err:  # its messages name the key; a missing model.pretrained
+        raise ConfigError(str(err)) from err
 
 
 def place_unsharded(model: torch.nn.Module, device: torch.device) -> None:
@@ -193,6 +205,9 @@ def trainer_kwargs(run: RunConfig, world_size: int) -> dict:
             model = build(**run.model)
     except FileNotFoundError as err:  # model.pretrained's folder or one of its components is missing
         raise ConfigError(str(err)) from err
+    if run.dreambooth is not None:  # the class images' weight and share (models/engine/prior_loss.py)
+        model.prior_loss_weight = run.dreambooth.prior_loss_weight
+        model.prior_share = PRIOR_SHARE if run.dreambooth.with_prior_preservation else 0.0
     multiple = _size_multiple(run.model["preset"])
     extra = loader_inputs(model)
     train_loader = build_image_caption_dataloader(

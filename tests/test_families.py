@@ -253,7 +253,8 @@ def test_precomputed_latents_give_the_image_path_s_loss(preset, batches, monkeyp
     torch.testing.assert_close(latents_loss, image_loss, rtol=2e-3, atol=1e-4)
     off = max((wrong[k].float() - from_images[k].float()).abs().max() for k in wrong)
     close = max((from_latents[k].float() - from_images[k].float()).abs().max() for k in wrong)
-    assert off > 10 * close
+    if model.latent_scale != 1:  # FLUX.2 has none: its VAE's batch-norm statistics (the tiny's the identity)
+        assert off > 10 * close
     assert model.flops_per_batch(batches["latents"]) == model.flops_per_batch(batches["images"]) > 0
     model.eval()
     seeds = model.eval_seeds(batches["images"])  # they hash the pixels or the moments: the images' for both
@@ -324,7 +325,8 @@ def pipeline_images(pipe, folder: Path, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     # A copy: ZImagePipeline._encode_prompt writes the chat prompts into the list it is given (diffusers
     # 0.42.1), which would change PROMPTS for every later call.
-    return pipe(list(PROMPTS), generator=generator, output_type="pt", **options, **sampling).images
+    # prompt= by name: Flux2KleinPipeline's first argument is its reference image.
+    return pipe(prompt=list(PROMPTS), generator=generator, output_type="pt", **options, **sampling).images
 
 
 # Each family's published full-size checkpoints (its presets.py says where each count comes from).

@@ -1,8 +1,8 @@
-"""Flux and Z-Image on the sharded path (issues 40 and 50, "2-process sharded training, kill and resume
-as in the sharding issue"): `composer -n 2` of yamls/tiny-flux-cpu.yaml (tiny-zimage-cpu.yaml) shards
-the transformer (FSDP2 over gloo), and a run SIGKILLed at a random moment after its first checkpoint,
-rerun with the same command, ends bitwise equal to the uninterrupted run (losses of every batch, final
-weights and EMA), as tests/test_fsdp2_train.py shows for the tiny MMDiT."""
+"""Flux, Z-Image and FLUX.2 on the sharded path (issues 40 and 50, "2-process sharded training, kill and
+resume as in the sharding issue"): `composer -n 2` of yamls/tiny-flux-cpu.yaml (tiny-zimage-cpu.yaml,
+tiny-flux2-cpu.yaml) shards the transformer (FSDP2 over gloo), and a run SIGKILLed at a random moment
+after its first checkpoint, rerun with the same command, ends bitwise equal to the uninterrupted run
+(losses of every batch, final weights and EMA), as tests/test_fsdp2_train.py shows for the tiny MMDiT."""
 
 import pytest
 
@@ -24,7 +24,7 @@ def _command(out, shapes_mds, recipe):
     return train_command(2, out, shapes_mds, *COMMON, "parallelism.shard=2", recipe=recipe)
 
 
-@pytest.mark.parametrize("recipe", ["tiny-flux-cpu", "tiny-zimage-cpu"])
+@pytest.mark.parametrize("recipe", ["tiny-flux-cpu", "tiny-zimage-cpu", "tiny-flux2-cpu"])
 def test_flux_sharded_sigkill_and_rerun_ends_bitwise_equal(recipe, shapes_mds, tmp_path):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     result = run(_command(reference, shapes_mds, recipe), REPO, train_env())

@@ -26,6 +26,9 @@ NO_KOHYA = {
     "mmdit": "the mmdit family has no kohya layout that diffusers reads back",  # no SD3 reader in diffusers
     "flux": "diffusers splits a single block's fused linear1 at FLUX.1's widths",  # flux-tiny is 64 wide
 }
+# Families whose kohya reader drops a module it does not know, with a warning, rather than failing: a
+# foreign module reads back as the adapter (diffusers 0.42.1 lora_conversion_utils.py:2774-2776, FLUX.2's).
+DROPS_FOREIGN = ("flux2",)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES.values()), ids=list(FAMILIES))
@@ -108,7 +111,8 @@ def _refuses_what_differs(denoiser, family, folder: Path) -> None:
         }
         return {**tensors, **extra}
 
-    for corrupt in (one_up_off, alphas_doubled, foreign_module):
+    corruptions = (one_up_off, alphas_doubled) + (() if family.name in DROPS_FOREIGN else (foreign_module,))
+    for corrupt in corruptions:
         corrupted = dataclasses.replace(
             family,
             lora_kohya=lambda state, alpha, model, corrupt=corrupt: corrupt(

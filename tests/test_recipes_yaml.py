@@ -82,11 +82,32 @@ REQUIRED = {
         "model.pretrained=/models/z-image",
         "trainer.save_folder=/lora",
     ],
+    "flux2-klein-finetune": [
+        "data.train.local=/data/mds",
+        "model.pretrained=/models/flux2-klein-base-4b",
+        "trainer.save_folder=/ft",
+    ],
+    "flux2-klein-lora": [
+        "data.train.local=/data/mds",
+        "model.pretrained=/models/flux2-klein-base-4b",
+        "trainer.save_folder=/lora",
+    ],
+    **{
+        f"{family}-dreambooth": [
+            f"model.pretrained=/models/{family}",
+            "dreambooth.instance_dir=/data/subject",
+            "trainer.save_folder=/db",
+        ]
+        for family in ("sd2", "sdxl", "sd3", "flux", "zimage")
+    },
+    "tiny-dreambooth-cpu": ["dreambooth.instance_dir=/data/subject"],
     "tiny-cpu": [],
     "tiny-flux-cpu": [],
+    "tiny-lora-concept-cpu": [],
     "tiny-mmdit-cpu": [],
     "tiny-sdxl-cpu": [],
     "tiny-zimage-cpu": [],
+    "tiny-flux2-cpu": [],
     "tiny-vae": [],
 }
 

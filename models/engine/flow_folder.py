@@ -32,8 +32,10 @@ def save_flow_folder(
     README.md. `shown_as`: the name the log gives the folder (models.export writes under a temporary
     name, then renames)."""
     shown_as = shown_as or out_dir
-    # The pipeline decodes latents / scaling_factor + shift_factor: the model's unscale_latents.
-    model.vae.register_to_config(shift_factor=float(model.latent_shift))
+    # The pipeline decodes latents / scaling_factor + shift_factor: the model's unscale_latents. A VAE
+    # with no scaling_factor (FLUX.2's: its batch-norm statistics, which the folder holds) takes neither.
+    if "scaling_factor" in model.vae.config:
+        model.vae.register_to_config(shift_factor=float(model.latent_shift))
     # The training run's sampler with the shift it trained with at the model's native size.
     scheduler = model.sampling_scheduler(model.native_size())
     parts = {name: getattr(model, name, None) for name in components if name != "scheduler"}

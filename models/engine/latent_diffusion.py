@@ -38,7 +38,9 @@ from models.engine.eval_timesteps import (
     check_eval_timesteps,
     stored_or_seeded,
 )
+from models.engine.objectives import mse_per_sample
 from models.engine.pixels import to_float
+from models.engine.prior_loss import PRIOR, prior_preservation_loss
 from models.flop_count import batch_columns, training_flops
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,10 @@ class LatentDiffusion(ComposerModel):
     train_draws = "rank"  # training's draws: "rank" (the global RNG) or "sample" (models/engine/draw_keys.py)
     # (run seed, batch index) for train_draws="sample": extensions/sample_draws.py sets it each batch.
     draw_key: tuple[int, int] | None = None
+    # DreamBooth, for batches that flag class images (models/engine/prior_loss.py): their loss's weight,
+    # and their share of every global batch (recipes/dreambooth.py batches half and half).
+    prior_loss_weight: float = 1.0
+    prior_share: float = 0.0
 
     def __init__(self, objective, caption_drop_prob: float = 0.0):
         super().__init__()
@@ -229,7 +235,14 @@ class LatentDiffusion(ComposerModel):
         return prediction, target, level
 
     def loss(self, outputs, batch):
-        return self.objective.loss(*outputs)
+        if PRIOR not in batch:
+            return self.objective.loss(*outputs)
+        # DreamBooth: instance mean + weight * class mean, as diffusers' script splits its batch.
+        prediction, target, level = outputs
+        per_sample = mse_per_sample(prediction, target)
+        if (weight := self.objective.weight(level)) is not None:
+            per_sample = per_sample * weight
+        return prior_preservation_loss(per_sample, batch[PRIOR], self.prior_loss_weight, self.prior_share)
 
     # -- evaluation ------------------------------------------------------------------------------
     def eval_forward(self, batch, outputs=None):

@@ -1,27 +1,32 @@
-"""DRAFT (issue 50; not in models.registry yet). `flux2-klein-4b`, `flux2-klein-9b` and `flux2-dev` are
-black-forest-labs/FLUX.2-klein-4B, FLUX.2-klein-9B and FLUX.2-dev (family "flux2", no model.py yet: see
-NOTES.md): diffusers' Flux2Transformer2DModel (double-stream blocks, then single-stream blocks whose QKV and
-MLP projections are fused, shared AdaLN modulation, no biases, 4-axis RoPE (t, h, w, l) of theta 2000 over
-128-wide heads) reading the stack of three hidden layers of a decoder LLM (`text_encoder`: Qwen3-4B's or
-Qwen3-8B's layers 9, 18, 27 for klein; Mistral Small 3.2's 10, 20, 30 for dev) side by side as its whole
-context, over the FLUX.2 VAE (AutoencoderKLFlux2, 32 latent channels, 8x down). The pipeline cuts the
-latents into 2x2 patches (128 channels), normalises them by the VAE's own batch-norm running mean and
+"""The flux2 family's presets (issue 50; models/families/flux2/model.py). `flux2-klein-4b`, `flux2-klein-9b`
+and `flux2-dev` are black-forest-labs/FLUX.2-klein-4B, FLUX.2-klein-9B and FLUX.2-dev (family "flux2"; see
+NOTES.md): diffusers' Flux2Transformer2DModel (double-stream blocks, then single-stream blocks whose QKV
+and MLP projections are fused, shared AdaLN modulation, no biases, 4-axis RoPE (t, h, w, l) of theta 2000
+over 128-wide heads) reading the stack of three hidden layers of a decoder LLM (`text_encoder`: Qwen3-4B's
+or Qwen3-8B's layers 9, 18, 27 for klein; Mistral Small 3.2's 10, 20, 30 for dev) side by side as its
+whole context, over the FLUX.2 VAE (AutoencoderKLFlux2, 32 latent channels, 8x down). The pipeline cuts
+the latents into 2x2 patches (128 channels), normalises them by the VAE's own batch-norm running mean and
 variance (no scalar scale or shift) and flattens them into tokens (`packing` 2). klein-4B/9B are the
 step-distilled models (4 steps, no guidance); `flux2-klein-base-4b`/`-9b` are their undistilled bases
 (same networks; classifier-free guidance, 50 steps), which fine-tuning starts from. dev embeds its
 guidance scale (guidance-distilled, like FLUX.1-dev). `flux2-tiny` keeps the klein structure at toy size
 with a tiny AutoencoderKLFlux2, a toy Qwen3 and the offline tokenizer (`bundled_text`).
 
-Keys beyond the other families' (nothing reads them yet; the family that registers these presets will):
+Keys beyond the other families' (documentation: the model reads the layers from the encoder's depth,
+model.py `quarter_layers`, which tests/test_flux2.py checks against `text_encoder_layers`; it samples
+with PUBLISHED_SCHEDULER):
 - `text_encoder_layers`: the hidden_states indices the pipeline stacks (`text_encoder_out_layers`);
 - `published_scheduler`: the scheduler_config.json the folders ship (dynamic shifting: the sampler's, see
   NOTES.md "Sampler"); `scheduler` is the fixed-shift one the objective trains with
   (models/engine/objectives.py refuses use_dynamic_shifting);
+- `component_classes` (flux2-dev): its Mistral 3 text encoder, built by models/components.py;
 - `latent_norm`: "batch_norm", the latents' normalisation (vae.bn running stats; latent_scale 1, shift 0);
 - `distilled` (Flux2KleinPipeline's `is_distilled`) and `sampling`: the published steps and guidance.
 
 Parameter counts: PUBLISHED below, measured on the meta device in NOTES.md (all equal).
 """
+
+from transformers import Mistral3ForConditionalGeneration
 
 from models.families.sd.presets import SD
 
@@ -240,6 +245,8 @@ FLUX2["flux2-dev"] = dict(
         guidance_embeds=True,  # guidance-distilled: the scale is an input (x 1000, like the timestep)
     ),
     text_encoder=dict(MISTRAL_SMALL_3),
+    # Not the family's Qwen3ForCausalLM: models/components.py builds this class instead.
+    component_classes=dict(text_encoder=Mistral3ForConditionalGeneration),
     # Flux2Pipeline's text_encoder_out_layers (BFL OUTPUT_LAYERS_MISTRAL); its prompt is a system message
     # (SYSTEM_MESSAGE) and the caption, no generation prompt (NOTES.md).
     text_encoder_layers=(10, 20, 30),
