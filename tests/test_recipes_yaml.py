@@ -98,7 +98,7 @@ REQUIRED = {
             "dreambooth.instance_dir=/data/subject",
             "trainer.save_folder=/db",
         ]
-        for family in ("sd2", "sdxl", "sd3", "flux", "zimage")
+        for family in ("sd2", "sdxl", "sd3", "flux", "zimage", "flux2")
     },
     "tiny-dreambooth-cpu": ["dreambooth.instance_dir=/data/subject"],
     "tiny-cpu": [],
