@@ -17,6 +17,11 @@ COLORS = {
     "yellow": (240, 220, 30),
 }
 SHAPES = ("circle", "square", "triangle")
+# Drawn and judged, but never in the base training data (write_shapes_folder's default): the demo's
+# LoRA stage (demo/lora_stage.py) teaches the trained model this shape as a concept it never saw. A
+# plus sign whose arms are a third of its box: the VAE decodes it (its strokes are as wide as a small
+# triangle's tip region) and its box-fill ratio, 5/9, sits between the triangle's and the circle's.
+NEW_SHAPES = ("cross",)
 
 
 def draw_shape(color: str, shape: str, size: int, rng: random.Random, noisy_background: bool = False):
@@ -26,7 +31,10 @@ def draw_shape(color: str, shape: str, size: int, rng: random.Random, noisy_back
         bg = Image.effect_noise((size, size), 24).convert("RGB")
         bg = Image.blend(bg, Image.new("RGB", (size, size), (235, 235, 235)), 0.7)
     draw = ImageDraw.Draw(bg)
-    extent = rng.uniform(0.45, 0.8) * size
+    # A cross is drawn larger: the tiny VAE (8x8 latents of 32 px) blurs one under ~19 px into a blob
+    # that reads as a circle (15% of its reconstructions at the base shapes' scale, none at this one).
+    low, high = (0.6, 0.85) if shape in NEW_SHAPES else (0.45, 0.8)
+    extent = rng.uniform(low, high) * size
     x0 = rng.uniform(0, size - extent)
     y0 = rng.uniform(0, size - extent)
     box = (x0, y0, x0 + extent, y0 + extent)
@@ -37,19 +45,26 @@ def draw_shape(color: str, shape: str, size: int, rng: random.Random, noisy_back
         draw.rectangle(box, fill=fill)
     elif shape == "triangle":
         draw.polygon([(x0 + extent / 2, y0), (x0, y0 + extent), (x0 + extent, y0 + extent)], fill=fill)
+    elif shape == "cross":
+        third = extent / 3
+        draw.rectangle((x0 + third, y0, x0 + 2 * third, y0 + extent), fill=fill)
+        draw.rectangle((x0, y0 + third, x0 + extent, y0 + 2 * third), fill=fill)
     else:
-        raise ValueError(f"unknown shape {shape!r}; choose one of {SHAPES}")
+        raise ValueError(f"unknown shape {shape!r}; choose one of {SHAPES + NEW_SHAPES}")
     return bg
 
 
-def write_shapes_folder(out: str | Path, n: int, size: int = 32, seed: int = 0) -> Path:
-    """Write `n` PNGs with same-stem .txt captions to `out` (an image folder for `convert folder`)."""
+def write_shapes_folder(
+    out: str | Path, n: int, size: int = 32, seed: int = 0, shapes: tuple[str, ...] = SHAPES
+) -> Path:
+    """Write `n` PNGs with same-stem .txt captions to `out` (an image folder for `convert folder`), of
+    random colours and `shapes` (the base set by default: the same images as before NEW_SHAPES)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     for i in range(n):
         color = rng.choice(list(COLORS))
-        shape = rng.choice(SHAPES)
+        shape = rng.choice(shapes)
         image = draw_shape(color, shape, size, rng, noisy_background=rng.random() < 0.3)
         image.save(out / f"{i:06d}.png")
         (out / f"{i:06d}.txt").write_text(f"a {color} {shape}")

@@ -6,9 +6,10 @@ It judges generated images, so it uses nothing learned:
   colour has a channel spread of 150 or more, so the split does not depend on the background;
 - colour = the named colour nearest (RGB) to the most foreground pixels (a majority vote, so a
   blurred rim does not pull the answer towards a mixture);
-- shape = the template (circle, square, apex-up triangle) inscribed in the foreground's bounding
-  box that overlaps the mask best (IoU). The fill ratios of the box are 0.785, 1.0 and 0.5, far
-  enough apart for a few blurry or stray pixels.
+- shape = the template (circle, square, apex-up triangle, and the LoRA stage's cross: a plus sign
+  with arms a third of the box wide) inscribed in the foreground's bounding box that overlaps the
+  mask best (IoU). The fill ratios of the box are 0.785, 1.0, 0.5 and 0.556; the pairwise IoUs of the
+  templates are at most 0.79 (circle-square), far enough apart for a few blurry or stray pixels.
 On real images from data/synthetic.py it is right on every one of 1,200 samples
 (tests/test_shape_classifier.py).
 """
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from data.synthetic import COLORS, SHAPES
+from data.synthetic import COLORS, NEW_SHAPES, SHAPES
 
 # Channel spread (0-255) above which a pixel is foreground: background spread is 0 (grey), the
 # colours' is 150-210, and anti-aliased or decoded rims fall in between.
@@ -44,13 +45,15 @@ def foreground_mask(pixels: np.ndarray) -> np.ndarray:
 
 
 def _templates(height: int, width: int) -> dict[str, np.ndarray]:
-    """The three shapes filling a height x width box, sampled at pixel centres."""
+    """The shapes (SHAPES and NEW_SHAPES) filling a height x width box, sampled at pixel centres."""
     y, x = np.mgrid[0:height, 0:width].astype(np.float32) + 0.5
     cx, cy = width / 2, height / 2
     return {
         "circle": ((x - cx) / cx) ** 2 + ((y - cy) / cy) ** 2 <= 1.0,
         "square": np.ones((height, width), dtype=bool),
         "triangle": np.abs(x - cx) <= cx * y / height,  # apex at the top centre, base at the bottom
+        # the plus sign: the middle third of the box in either direction
+        "cross": (np.abs(x - cx) <= width / 6) | (np.abs(y - cy) <= height / 6),
     }
 
 
@@ -86,7 +89,7 @@ def parse_caption(caption: str) -> tuple[str, str]:
     """("red", "circle") from "a red circle"."""
     words = caption.lower().split()
     color = next(w for w in words if w in COLORS)
-    shape = next(w for w in words if w in SHAPES)
+    shape = next(w for w in words if w in SHAPES + NEW_SHAPES)
     return color, shape
 
 

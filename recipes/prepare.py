@@ -23,7 +23,7 @@ from convert.__main__ import main as sd_convert
 from convert.mds import write_mds
 from data.loader import ImageCaptionDataConfig, bucket_sizes
 from data.streams import resolve_streams
-from data.synthetic import write_shapes_folder
+from data.synthetic import NEW_SHAPES, SHAPES, write_shapes_folder
 from recipes.config import ConfigError
 from recipes.data_checks import local_problem
 
@@ -85,9 +85,11 @@ def pretrained_folder_of(recipe: str) -> str | None:
 
 # 2,048 images: about 170 per (colour, shape) pair, at random places and sizes, so the demo's
 # models learn the concepts rather than memorise a few pictures.
-def prepare_shapes_mds(local: str | Path, n: int = 2048, size: int = 32, seed: int = 0) -> Path:
-    """Make the shapes dataset as MDS at `local` unless it is already there: an image folder
-    converted by our own converter (`sd-convert folder`).
+def prepare_shapes_mds(
+    local: str | Path, n: int = 2048, size: int = 32, seed: int = 0, shapes: tuple[str, ...] = SHAPES
+) -> Path:
+    """Make the shapes dataset (of `shapes`) as MDS at `local` unless it is already there: an image
+    folder converted by our own converter (`sd-convert folder`).
 
     Safe when several ranks call it at once: each builds in its own temporary folders and renames
     the MDS into place; the first rename wins and the data are identical anyway (fixed seed).
@@ -99,13 +101,22 @@ def prepare_shapes_mds(local: str | Path, n: int = 2048, size: int = 32, seed: i
         atomic_path(local, existing="keep") as out,
         tempfile.TemporaryDirectory(prefix=f".tmp-{local.name}-src-", dir=local.parent) as scratch,
     ):
-        images = write_shapes_folder(Path(scratch, "images"), n=n, size=size, seed=seed)
+        images = write_shapes_folder(Path(scratch, "images"), n=n, size=size, seed=seed, shapes=shapes)
         argv = ["folder", "--src", str(images), "--out", str(out), "--work-dir", str(Path(scratch, "work"))]
         if sd_convert(argv) != 0:
             raise RuntimeError(f"sd-convert {' '.join(argv)} failed (see the log above)")
     if not (local / "index.json").exists():  # "keep" kept a folder that another process left there
         raise FileExistsError(f"{local} exists but holds no MDS dataset (no index.json); remove it")
     return local
+
+
+def prepare_cross_mds(local: str | Path, n: int = 768) -> Path:
+    """The demo's LoRA concept (yamls/tiny-lora-concept-cpu.yaml): a third of the images a cross
+    (NEW_SHAPES, never in the base set) in the four colours, the rest the base shapes, so that the
+    adapter learns the new word without drifting on the old prompts (DreamBooth's prior preservation,
+    with real images of the old prompts in place of the base model's samples; with half crosses the
+    old prompts lost 11 points of shape accuracy). Another seed than the base set's."""
+    return prepare_shapes_mds(local, n=n, seed=2, shapes=NEW_SHAPES * len(SHAPES) + SHAPES * 2)
 
 
 def prepare_random_latents(
@@ -183,6 +194,7 @@ def prepare_flux_latents(local: str | Path, n: int = 512, resolutions=(256,)) ->
 # Datasets that `data.train.prepare: NAME` builds at `data.train.local` when it is missing.
 PREPARERS = {
     "shapes": prepare_shapes_mds,
+    "shapes-cross": prepare_cross_mds,
     "sd2-latents": prepare_sd2_latents,
     "sdxl-latents": prepare_sdxl_latents,
     "sd3-latents": prepare_sd3_latents,

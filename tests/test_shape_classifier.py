@@ -5,7 +5,7 @@ import random
 import numpy as np
 import torch
 
-from data.synthetic import COLORS, SHAPES, draw_shape
+from data.synthetic import COLORS, NEW_SHAPES, SHAPES, draw_shape, write_shapes_folder
 from demo.classifier import accuracy, classify, parse_caption
 from demo.judge import judge
 
@@ -40,3 +40,19 @@ def test_judge_takes_generated_tensors():
     assert acc["both"] == 1.0 and [r["prompt"] for r in rows] == list(captions)
     shuffled = list(captions[1:]) + [captions[0]]
     assert judge(tensors, shuffled)[1]["both"] < 1.0
+
+
+def test_the_lora_stages_cross_is_judged_and_never_in_the_base_data(tmp_path):
+    """demo/lora_stage.py teaches the cross (NEW_SHAPES): the classifier must read real crosses right,
+    and the base set (write_shapes_folder's default) must never hold one."""
+    rng = random.Random(11)
+    crosses = [
+        (draw_shape(c, "cross", 32, rng, rng.random() < 0.3), f"a {c} cross")
+        for c in COLORS
+        for _ in range(50)
+    ]
+    images, captions = zip(*crosses, strict=True)
+    assert accuracy(images, captions) == {"color": 1.0, "shape": 1.0, "both": 1.0}
+    assert parse_caption("a blue cross") == ("blue", "cross") and "cross" in NEW_SHAPES
+    folder = write_shapes_folder(tmp_path, 200)
+    assert not any("cross" in p.read_text() for p in folder.glob("*.txt"))
