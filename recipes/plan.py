@@ -12,6 +12,8 @@ writes with `write_throughput`:
     {"img_per_sec_per_gpu": 137.5, "resolution": 256, "device": "8x A100-40GB", ...}
 
 Only `img_per_sec_per_gpu` is required; `resolution` is checked against `data.train.resolution`.
+Without either, the planner prints the memory per GPU alone (below), e.g. which frozen base of a LoRA
+recipe fits a 24 GB card: `python -m recipes.plan yamls/flux-lora.yaml --gpus 1 --gpu-memory 24`.
 
 The rate is used as given, for whatever model the YAML trains. Above the table the planner says
 which preset the rate was measured on, when it knows (a throughput file records its recipe's
@@ -52,7 +54,7 @@ from recipes.config import ConfigError, parse_config
 from recipes.convergence import benchmark_of, converging_rows, describe, no_benchmark
 from recipes.memory import format_memory
 from recipes.memory_advice import plan_memory
-from recipes.plan_args import build_parser, parse_args  # noqa: F401 - build_parser: tests, --help
+from recipes.plan_args import NO_THROUGHPUT, build_parser, parse_args  # noqa: F401 - build_parser: tests, --help
 from recipes.plan_plot import write_plot
 from recipes.scaling import plan_batches
 from recipes.throughput import Throughput, rate_note, read_throughput, write_throughput
@@ -83,20 +85,20 @@ def plan_rows(
     max_duration,
     microbatch,
     gpus: list[int],
-    img_per_sec_per_gpu: float,
+    img_per_sec_per_gpu: float | None,
     price: float,
 ) -> list[dict]:
     """One dict per GPU count with ROW_KEYS, plus `error` where the batch split fails (its days,
-    GPU-hours and cost are then None: no such run exists to cost)."""
+    GPU-hours and cost are then None: no such run exists to cost; also None without a throughput)."""
     images = images_to_see(max_duration, global_batch_size)
-    # Linear scaling: the run costs the same GPU-seconds at every count.
-    gpu_hours = images / img_per_sec_per_gpu / 3600
     rows = []
     for n in gpus:
         row = dict.fromkeys(ROW_KEYS)
-        row.update(
-            gpus=n, images=images, days=gpu_hours / n / 24, gpu_hours=gpu_hours, cost=gpu_hours * price
-        )
+        row.update(gpus=n, images=images)
+        if img_per_sec_per_gpu is not None:
+            # Linear scaling: the run costs the same GPU-seconds at every count.
+            gpu_hours = images / img_per_sec_per_gpu / 3600
+            row.update(days=gpu_hours / n / 24, gpu_hours=gpu_hours, cost=gpu_hours * price)
         try:
             row.update(asdict(plan_batches(global_batch_size, n, microbatch)))
         except ConfigError as err:
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         run = parse_config(cfg)
         if args.img_per_sec_per_gpu is not None:  # the flag wins over the file
             throughput = Throughput(args.img_per_sec_per_gpu)
+        elif args.throughput_file is None:  # the memory per GPU only
+            throughput = None
         else:
             throughput = read_throughput(args.throughput_file)
             if not math.isfinite(throughput.img_per_sec_per_gpu):  # JSON's NaN and Infinity
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             run.trainer.get("device_train_microbatch_size") if args.microbatch is None else args.microbatch
         )
         max_duration = run.trainer.get("max_duration")
-        rate = (throughput.img_per_sec_per_gpu, args.price_per_gpu_hour)
+        rate = (throughput and throughput.img_per_sec_per_gpu, args.price_per_gpu_hour)
         bench = benchmark_of(run)  # a run to an MLPerf target: its samples to converge, not max_duration
         if bench is None:
             if args.per_gpu_batch:
@@ -170,6 +174,11 @@ def main(argv: list[str] | None = None) -> None:
         memory_notes, no_fit = plan_memory(run, rows, args.shard, args.gpu_memory, args.gpus_per_node)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
+    if throughput is None:
+        _print_memory_only(args, run, rows, memory_notes, max_duration)
+        if no_fit or any("error" in row for row in rows):
+            sys.exit(1)
+        return
     note = rate_note(run.model["preset"], throughput)
     if note is not None and args.json:  # the table prints it above the rows
         log.warning("%s", note)
@@ -206,6 +215,22 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join([format_memory(rows, args.gpu_memory), *memory_notes]))
     if failed:
         sys.exit(1)
+
+
+def _print_memory_only(args, run, rows: list[dict], memory_notes: list[str], max_duration) -> None:
+    """No throughput given: the rows as JSON, or the memory table with the batch split it assumes."""
+    if args.json:
+        for line in memory_notes:
+            log.warning("%s", line)
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{args.yaml}: preset {run.model['preset']}, global batch {run.global_train_batch_size}")
+    print(f"no throughput given: memory per GPU only; for days and cost {NO_THROUGHPUT}")
+    print()
+    print("\n".join([format_memory(rows, args.gpu_memory), *memory_notes]))
+    splits = [f"error at {row['gpus']} GPUs: {row['error']}" for row in rows if "error" in row]
+    if splits:
+        print("\n".join(splits))
 
 
 def _print_assumptions(

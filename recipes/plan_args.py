@@ -139,14 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The options and the trailing Hydra overrides; argparse's exit (status 2) on a bad or missing
-    throughput."""
+    """The options and the trailing Hydra overrides; argparse's exit (status 2) on a bad throughput,
+    or on what needs one (--plot, --per-gpu-batch) without it. Without a throughput the plan is the
+    memory per GPU only (recipes/plan.py)."""
     parser = build_parser()
     options, overrides = _split_overrides(argv)
     args = parser.parse_args(_attach_negative_numbers(options))
     if args.img_per_sec_per_gpu is None and args.throughput_file is None:
-        parser.error(
-            "no throughput: pass --img-per-sec-per-gpu X (e.g. 137.5 for SD2 base at 256 px on A100s) "
-            "or --throughput-file bench/throughput.json written by a throughput benchmark"
-        )
+        for flag, given in (("--plot", args.plot), ("--per-gpu-batch", args.per_gpu_batch)):
+            if given:
+                parser.error(f"{flag} needs a throughput: {NO_THROUGHPUT}")
     return args, overrides
+
+
+NO_THROUGHPUT = (
+    "pass --img-per-sec-per-gpu X (e.g. 137.5 for SD2 base at 256 px on A100s) or --throughput-file "
+    "bench/throughput.json written by a throughput benchmark"
+)

@@ -233,11 +233,19 @@ def test_throughput_file_and_resolution_check(sd2_yaml, tmp_path, capsys, caplog
     assert "measured at 512 px but data.train.resolution is 256 px" in caplog.text
 
 
-def test_missing_or_bad_throughput_fails_clearly(sd2_yaml, tmp_path, capsys):
+def test_without_a_throughput_the_plan_is_the_memory_and_what_needs_one_refuses(sd2_yaml, tmp_path, capsys):
+    main([str(sd2_yaml), "--gpus", "8", "--gpu-memory", "80"])
+    out = capsys.readouterr().out
+    assert "no throughput given: memory per GPU only; for days and cost pass --img-per-sec-per-gpu" in out
+    assert "memory per GPU in GB" in out and "GPU-hours" not in out
+    rows = _run_json(capsys, sd2_yaml)
+    assert all(row["days"] is None and row["cost"] is None and row["memory"] for row in rows)
     with pytest.raises(SystemExit) as exit_:
-        main([str(sd2_yaml), "--gpus", "8"])
-    assert exit_.value.code == 2
-    assert "no throughput: pass --img-per-sec-per-gpu" in capsys.readouterr().err
+        main([str(sd2_yaml), "--gpus", "8", "--plot", str(tmp_path / "p.png")])
+    assert exit_.value.code == 2 and "--plot needs a throughput: pass" in capsys.readouterr().err
+
+
+def test_a_bad_throughput_fails_clearly(sd2_yaml, tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"resolution": 256}')
     with pytest.raises(SystemExit, match="needs a positive 'img_per_sec_per_gpu'"):
