@@ -9,6 +9,7 @@ change on purpose, re-record with that script and say why in the commit.
 import functools
 import inspect
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,14 +18,18 @@ import yaml
 from torch.utils.data import default_collate
 
 from models.registry import FAMILIES as REGISTERED
-from tests.golden.make_family_bits import GOLDEN, RECIPES, family_bits
+from tests.golden.make_family_bits import GOLDEN, RECIPES, family_bits, numerics_fingerprint, recorded_sets
 
 PRESETS = list(RECIPES)
+# On a machine kind with no bits of its own: the losses within this of a recorded machine's. Another
+# CPU moved them by ~1e-7 relative (tests/golden/make_family_bits.py); a change of numerics (one
+# batch's other noise or timesteps, another init) by percents.
+LOSS_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def golden() -> dict:
-    return json.loads(GOLDEN.read_text())["families"]
+    return json.loads(GOLDEN.read_text())
 
 
 def _differences(name: str, got: dict, expected: dict) -> list[str]:
@@ -37,17 +42,50 @@ def _differences(name: str, got: dict, expected: dict) -> list[str]:
     ]
 
 
-@pytest.mark.fit
-@pytest.mark.parametrize("preset", PRESETS)
-def test_every_family_gives_the_recorded_bits(preset, golden, shapes_mds, tmp_path: Path):
-    got, expected = family_bits(preset, shapes_mds, tmp_path), golden[preset]
-    assert got["losses"] == expected["losses"]  # exact floats: the same noise, data and numerics
-    problems = _differences("pipeline", got["pipeline"], expected["pipeline"])
+def _problems(got: dict, expected: dict) -> list[str]:
+    problems = (
+        [] if got["losses"] == expected["losses"] else [f"losses {got['losses']} != {expected['losses']}"]
+    )
+    problems += _differences("pipeline", got["pipeline"], expected["pipeline"])
     if got["image"] != expected["image"]:
         problems.append("generate: another image for the same seed")
     for i, (row, want) in enumerate(zip(got["latents"], expected["latents"], strict=True)):
         problems += _differences(f"sd-convert latents row {i}", row, want)
-    assert not problems, "\n".join(problems)
+    return problems
+
+
+@pytest.mark.fit
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_family_gives_the_recorded_bits(preset, golden, shapes_mds, tmp_path: Path):
+    """Bit for bit what this machine's kind recorded (exact floats: the same noise, data and numerics);
+    on a kind with no record, bit for bit one machine's record, or else the losses within LOSS_RTOL."""
+    got, sets, fingerprint = (
+        family_bits(preset, shapes_mds, tmp_path),
+        recorded_sets(golden),
+        numerics_fingerprint(),
+    )
+    if preset in sets.get(fingerprint, {}):
+        problems = _problems(got, sets[fingerprint][preset])
+        assert not problems, "\n".join(problems)
+        return
+    recorded = {fp: families[preset] for fp, families in sets.items() if preset in families}
+    if any(not _problems(got, expected) for expected in recorded.values()):
+        return
+    near = [
+        fp
+        for fp, expected in recorded.items()
+        if len(got["losses"]) == len(expected["losses"])
+        and all(
+            abs(a - b) <= LOSS_RTOL * abs(b) for a, b in zip(got["losses"], expected["losses"], strict=True)
+        )
+    ]
+    assert near, "\n".join(f"against {fp}: {_problems(got, e)}" for fp, e in recorded.items())
+    warnings.warn(
+        f"{preset}: this CPU's kind (fingerprint {fingerprint}) has no golden bits: losses within "
+        f"{LOSS_RTOL:g} of {near[0]}'s, the other bits unchecked; record them from a commit that passes "
+        "on a recorded machine: python -m tests.golden.make_family_bits --machine",
+        stacklevel=1,
+    )
 
 
 # -- the conformance suite: one set of checks for every family -------------------------------------------

@@ -21,6 +21,14 @@ convert/ or recipes/ is marked "dirty" so a reader knows the bits may not be tha
 commit goes under "added"):
 
     OMP_NUM_THREADS=1 .venv/bin/python -m tests.golden.make_family_bits --add flux-tiny
+
+Another CPU gives other last bits for the same code (its kernels sum in another order: on 2026-11-29
+an AVX-512 AMD EPYC moved the tiny families' losses by ~1e-7 relative from the recording machine's).
+So each machine kind's bits are kept under "machines", keyed by `numerics_fingerprint()` (the bits of
+a few kernels the models use, on fixed inputs); `--machine` records this machine's, from a commit
+whose bits equal the recorded ones on a recorded machine (a refactor's check holds on every machine):
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m tests.golden.make_family_bits --machine
 """
 
 import hashlib
@@ -168,13 +176,84 @@ def record(presets) -> dict:
     return families
 
 
+def numerics_fingerprint() -> str:
+    """16 hex digits of the bits a few of the models' CPU kernels give on fixed inputs, one thread: a
+    convolution, matmuls in fp32 and bf16, group norm, attention, SiLU and exp. Two machines with the
+    same fingerprint have given the same family bits; different ones (another SIMD width or vendor
+    library path) give other last bits."""
+    import torch
+    import torch.nn.functional as F
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 32, 16, 16, generator=g)
+        w = torch.randn(64, 32, 3, 3, generator=g)
+        q, k, v = torch.randn(3, 2, 4, 64, 16, generator=g)
+        a, b = torch.randn(96, 200, generator=g), torch.randn(200, 72, generator=g)
+        outs = [
+            F.conv2d(x, w, padding=1),
+            a @ b,
+            (a.bfloat16() @ b.bfloat16()).float(),
+            F.group_norm(x, 8),
+            F.scaled_dot_product_attention(q, k, v),
+            F.silu(a).exp(),
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    digest = hashlib.sha256()
+    for out in outs:
+        digest.update(tensor_sha(out).encode())
+    return digest.hexdigest()[:16]
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for a reader of the JSON."""
+    import platform
+
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def recorded_sets(golden: dict) -> dict[str, dict]:
+    """Each machine's recorded families by fingerprint: the first recording's (fingerprint
+    "recording machine", not taken then) and those of `--machine`."""
+    sets = {golden.get("fingerprint", "recording machine"): golden["families"]}
+    sets.update({fp: rec["families"] for fp, rec in golden.get("machines", {}).items()})
+    return sets
+
+
+def add_machine(out: Path = GOLDEN) -> None:
+    """Record every family's bits for this machine's kind into `out`, the others left as recorded."""
+    import torch
+
+    golden, fingerprint = json.loads(out.read_text()), numerics_fingerprint()
+    if fingerprint in recorded_sets(golden):
+        raise SystemExit(f"this machine's kind ({fingerprint}) is recorded already")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", *CODE))
+    golden.setdefault("machines", {})[fingerprint] = {
+        "cpu": cpu_name(),
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": dirty,
+        "torch": torch.__version__,
+        "families": record(RECIPES),
+    }
+    out.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    print(f"added this machine ({cpu_name()}, fingerprint {fingerprint}) to {out}")
+
+
 def add(preset: str, out: Path = GOLDEN) -> None:
     """Record `preset` alone into `out`, whose other families stay as recorded."""
     golden = json.loads(out.read_text())
-    if preset in golden["families"]:
+    machine = golden.get("machines", {}).get(numerics_fingerprint())  # this machine's kind's set, if any
+    families = golden["families"] if machine is None else machine["families"]
+    if preset in families:
         raise SystemExit(f"{preset} is recorded already: re-record them all when numerics change on purpose")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", *CODE))
-    golden["families"][preset] = record([preset])[preset]
+    families[preset] = record([preset])[preset]
     golden.setdefault("added", {})[preset] = {"commit": _git("rev-parse", "HEAD"), "dirty": dirty}
     out.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
     print(f"added {preset} to {out}")
@@ -200,5 +279,7 @@ def main(out: Path = GOLDEN) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--add"]:
         add(sys.argv[2])
+    elif sys.argv[1:2] == ["--machine"]:
+        add_machine()
     else:
         main(Path(sys.argv[1]) if len(sys.argv) > 1 else GOLDEN)
