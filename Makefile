@@ -68,8 +68,8 @@ test: lint
 
 # `make test-fast`: unit tests only, for the edit-test loop: no Composer fit, no subprocess, no server
 # (deselects the marks fit, subprocess, server, heavy and slow). Goal: under 90 s on 2 idle cores; measured
-# 143 s for 673 tests on 2026-11-29 afternoon (139 s for 649 that morning, 447 s for 898 before the
-# heavy marks of that day). No lint.
+# 48 s for 686 tests on 2026-11-29 evening on a fresh, idle machine (143 s for 673 that afternoon on a
+# loaded one, 447 s for 898 before the heavy marks of that day). No lint.
 # Without --maxschedchunk: for ~470 short tests the one-at-a-time hand-out cost more than it saved
 # (85 s against 79 s, 2026-11-26).
 FAST_TIER := not (fit or subprocess or server or heavy or slow)
