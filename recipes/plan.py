@@ -54,7 +54,7 @@ from recipes.config import ConfigError, parse_config
 from recipes.convergence import benchmark_of, converging_rows, describe, no_benchmark
 from recipes.memory import format_memory
 from recipes.memory_advice import plan_memory
-from recipes.plan_args import NO_THROUGHPUT, build_parser, parse_args  # noqa: F401 - build_parser: tests, --help
+from recipes.plan_args import NO_THROUGHPUT, build_parser, default_gpus, parse_args  # noqa: F401 - build_parser: tests, --help
 from recipes.plan_plot import write_plot
 from recipes.scaling import plan_batches
 from recipes.throughput import Throughput, rate_note, read_throughput, write_throughput
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         for key in OmegaConf.missing_keys(cfg):
             OmegaConf.update(cfg, key, "unset-for-planning")
         run = parse_config(cfg)
+        args.gpus = args.gpus or default_gpus(run.global_train_batch_size)
         if args.img_per_sec_per_gpu is not None:  # the flag wins over the file
             throughput = Throughput(args.img_per_sec_per_gpu)
         elif args.throughput_file is None:  # the memory per GPU only

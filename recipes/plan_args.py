@@ -105,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("yaml", help="the run config, e.g. yamls/sd2-base.yaml")
     parser.add_argument(
-        "--gpus", type=_gpu_count, nargs="+", default=DEFAULT_GPUS, help="GPU counts (world sizes)"
+        "--gpus",
+        type=_gpu_count,
+        nargs="+",
+        help=f"GPU counts (world sizes; default {' '.join(map(str, DEFAULT_GPUS))}, or for a global batch "
+        "under 8, as a one-GPU LoRA recipe's, the powers of two up to it)",
     )
     parser.add_argument(
         "--img-per-sec-per-gpu",
@@ -150,6 +154,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             if given:
                 parser.error(f"{flag} needs a throughput: {NO_THROUGHPUT}")
     return args, overrides
+
+
+def default_gpus(global_batch_size: int) -> list[int]:
+    """The GPU counts planned when --gpus is not given: DEFAULT_GPUS, or for a batch too small to split
+    over 8 (a LoRA recipe's 4 on one GPU) 1, 2, 4, ... up to it."""
+    if global_batch_size >= DEFAULT_GPUS[0]:
+        return DEFAULT_GPUS
+    return [2**i for i in range(global_batch_size.bit_length()) if 2**i <= global_batch_size]
 
 
 NO_THROUGHPUT = (

@@ -200,6 +200,21 @@ def test_the_planner_prints_the_memory_of_each_base(capsys):
     assert [m["alternative"] for m in memory.values()] == [False, True, True, True]
 
 
+@pytest.mark.heavy
+def test_the_flux_lora_recipe_planned_as_a_user_types_it_names_the_bases_that_fit_24_gb(capsys):
+    """`python -m recipes.plan yamls/flux-lora.yaml --gpu-memory 24`: no throughput (the memory alone)
+    and no --gpus (a global batch of 4 plans 1, 2 and 4 GPUs, not 8..256, which cannot split it)."""
+    from recipes.plan import main
+
+    with pytest.raises(SystemExit) as exit_:  # its own base, bf16, does not fit: status 1
+        main([str(REPO / "yamls/flux-lora.yaml"), "--gpu-memory", "24"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 1 and "no throughput given: memory per GPU only" in out
+    by_base = [line for line in out.splitlines() if line.startswith("at 1 GPUs, by model.base_weights")]
+    assert len(by_base) == 1 and by_base[0].endswith("fit in 24 GB: fp8, nf4"), out
+    assert "at 4 GPUs" in out and "error at" not in out
+
+
 @pytest.mark.fit
 def test_a_stored_base_run_exports_its_adapter_and_merges_into_the_full_base(shapes_mds, tmp_path, capsys):
     """yamls/tiny-flux-cpu.yaml on an nf4 base through train.py's path: its checkpoint records the base,
