@@ -15,7 +15,7 @@ import torch
 
 import models.registry as families
 from convert.common import ConvertError
-from models.engine.family import OPTIONAL  # SD3's optional T5: text_encoder_3/ and tokenizer_3/
+from models.engine.family import OPTIONAL, T5_ENCODER, T5_TOKENIZER  # SD3's optional T5
 from models.engine.latent_diffusion import LatentDiffusion
 from models.presets import bundled_t5
 from models.registry import PRESETS
@@ -38,8 +38,8 @@ class Encoders:
         *,
         t5_tokens=None,
         text_tokens=None,
-        text_encoder_3=None,
-        tokenizer_3=None,
+        t5=None,
+        t5_tokenizer=None,
         **text_parts,
     ):
         names = family.conditioner.text_parts
@@ -47,22 +47,25 @@ class Encoders:
             raise TypeError(
                 f"the {family.name} family's encoders are {', '.join(names)}, not {sorted(text_parts)}"
             )
-        if (text_encoder_3 is None) != (tokenizer_3 is None):
-            raise ValueError("text_encoder_3 (T5) and tokenizer_3 come together: give both or neither")
-        if text_encoder_3 is not None and not family.reads_t5:
+        if (t5 is None) != (t5_tokenizer is None):
+            raise ValueError("a T5 and its tokenizer come together: give both or neither")
+        if t5 is not None and not family.reads_t5:
             raise ValueError(f"the {family.name} family reads no T5 context")
         self.family, self.conditioner = family, family.conditioner
         self.micro_conditioning = family.micro_conditioning
         self.vae = vae
         for name, part in text_parts.items():
             setattr(self, name, part)
-        self.text_encoder_3, self.tokenizer_3 = text_encoder_3, tokenizer_3
+        # Under the model's component names, which the conditioner reads (SD3's text_encoder_3, ...).
+        setattr(self, T5_ENCODER, t5)
+        setattr(self, T5_TOKENIZER, t5_tokenizer)
         self.t5_tokens = None if t5_tokens is None else int(t5_tokens)
         self.text_tokens = None if text_tokens is None else int(text_tokens)  # an LLM's (Z-Image's)
 
     def to(self, device, dtype: torch.dtype | None = None) -> "Encoders":
         """On `device` (and cast to `dtype` when given), in eval mode."""
-        for part in [self.vae, self.text_encoder_3, *(getattr(self, n) for n in self.conditioner.text_parts)]:
+        for name in ("vae", T5_ENCODER, *self.conditioner.text_parts):
+            part = getattr(self, name)
             if isinstance(part, torch.nn.Module):
                 part.to(device=device, dtype=dtype).eval()
         return self
@@ -94,9 +97,11 @@ def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) 
         torch.manual_seed(0)
         parts = build_encoders(preset, pretrained)
     family = families.of(preset)
+    # A bundled_t5 preset's random T5 comes under its component names.
+    roles = {"t5": parts.pop(T5_ENCODER, None), "t5_tokenizer": parts.pop(T5_TOKENIZER, None)}
     if t5 and family.reads_t5 and pretrained is not None:
-        parts.update({name: load_component(name, pretrained, preset) for name in OPTIONAL})
-    return Encoders(family, **parts, **families.preset_options(preset))
+        roles = {role: load_component(name, pretrained, preset) for role, name in zip(roles, OPTIONAL)}
+    return Encoders(family, **parts, **roles, **families.preset_options(preset))
 
 
 ENCODER_PARTS = ("vae", "text_encoder", "tokenizer")
@@ -199,8 +204,8 @@ def encoders_of(model) -> Encoders:
     modules: the same outputs)."""
     family = families.of_model(model)
     parts = {name: getattr(model, name) for name in family.conditioner.text_parts}
-    if family.reads_t5 and model.text_encoder_3 is not None:
-        parts.update(text_encoder_3=model.text_encoder_3, tokenizer_3=model.tokenizer_3)
+    if family.reads_t5 and getattr(model, T5_ENCODER) is not None:
+        parts.update(t5=getattr(model, T5_ENCODER), t5_tokenizer=getattr(model, T5_TOKENIZER))
     lengths = {key: getattr(model, key, None) for key in ("t5_tokens", "text_tokens")}
     return Encoders(family, model.vae, **lengths, **parts)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.engine.family import construct
+from models.engine.family import T5_ENCODER, construct
 from models.flop_count import training_step
 from models.flops import latent_size, meta_model
 from models.presets import bundled_t5
@@ -149,9 +149,7 @@ def _footprint(preset, resolution, bf16, lora_json, t5, fsdp_wrap, recomputed, f
         # SD3's T5 loads from a folder: its config is the preset's. Held, not run: its context has the
         # shape of the zeros the step attends to without it.
         if t5 and not bundled_t5(preset):
-            held_only.append(
-                construct(of(preset).components["text_encoder_3"], PRESETS[preset]["text_encoder_3"])
-            )
+            held_only.append(construct(of(preset).components[T5_ENCODER], PRESETS[preset][T5_ENCODER]))
         if lora_json is not None:
             from models.training.lora import add_lora
 

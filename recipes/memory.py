@@ -27,6 +27,7 @@ over with one microbatch a step: sd2-base's totals are 4-7% above its H100 peaks
 import inspect
 from dataclasses import dataclass
 
+from models.engine.family import T5_ENCODER
 from recipes.config import ConfigError
 from recipes.footprint import Footprint, footprint
 
@@ -167,7 +168,7 @@ def run_footprint(run, shard: int) -> Footprint:
             run.data.train.resolution,
             bf16=run_precision(run).bf16_compute,
             lora=lora,
-            t5="text_encoder_3" in (model["pretrained_components"] or ()),
+            t5=T5_ENCODER in (model["pretrained_components"] or ()),
             fsdp_wrap=model["fsdp_wrap"],
             recomputed=recomputed,
             fp8=fp8_recipe(model["fp8"]),

@@ -21,8 +21,9 @@ OBJECTIVE_OPTIONS = {"ddpm": DDPM_OPTIONS, "flow": FLOW_OPTIONS}
 
 # The trained network's component name in a diffusers pipeline folder: a UNet or a transformer.
 DENOISERS = ("unet", "transformer")
-# Components a family's model may go without: SD3's T5, built only by a `bundled_t5` preset.
-OPTIONAL = ("text_encoder_3", "tokenizer_3")
+# Components a family's model may go without: SD3's T5 (the "t5" role: its encoder and tokenizer, by
+# their folder names), built only by a `bundled_t5` preset.
+OPTIONAL = T5_ENCODER, T5_TOKENIZER = ("text_encoder_3", "tokenizer_3")
 # The model card an export writes beside the pipeline (models/engine/flow_folder.py); its front matter
 # holds the call arguments (max_sequence_length).
 README = "README.md"
