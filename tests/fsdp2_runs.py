@@ -6,7 +6,7 @@ session; the kill, elastic, S3 and export tests compare against them.
 
 from pathlib import Path
 
-from tests.resume_check import train_command
+from tests.resume_check import LAUNCH, train_command
 
 RECIPE = "tiny-mmdit-cpu"
 # 6 batches of 16 of the 64 shapes: epoch 1 and half of epoch 2 (kills land mid- and across epochs).
@@ -23,9 +23,10 @@ SHAPES = {  # name -> (processes, overrides)
 
 
 def mmdit_command(
-    name: str, out: Path, shapes_mds: Path, *extra: str, nproc=None, save_folder=None
+    name: str, out: Path, shapes_mds: Path, *extra: str, nproc=None, save_folder=None, launch=LAUNCH
 ) -> list[str]:
-    """The command of shape `name` (SHAPES; `nproc` another process count, for an elastic restart)."""
+    """The command of shape `name` (SHAPES; `nproc` another process count, for an elastic restart;
+    `launch`: resume_check.train_command's)."""
     processes, overrides = SHAPES[name]
     return train_command(
         nproc or processes,
@@ -35,5 +36,6 @@ def mmdit_command(
         *overrides,
         *extra,
         save_folder=save_folder,
+        launch=launch,
         recipe=RECIPE,
     )

@@ -20,17 +20,27 @@ from tests.conftest import REPO, TINY_TEST
 
 BATCHES = 8  # 64 samples / 16 per batch = 4 batches an epoch: kills land mid- and across epochs
 COMPOSER = str(REPO / ".venv/bin/composer") if (REPO / ".venv/bin/composer").exists() else "composer"
-# `composer -n N` without importing Composer in the launcher (tests/launch.py says where the real one runs).
-LAUNCH = [sys.executable, str(REPO / "tests/launch.py")]
+# `composer -n N` without Composer's launcher (tests/launch.py says where the real one runs).
+# The ranks train, so the launcher imports the stack once and forks them (tests/launch.py --preload).
+LAUNCH_EXEC = [sys.executable, str(REPO / "tests/launch.py")]
+LAUNCH = [*LAUNCH_EXEC, "--preload", "recipes"]
+# Each rank a new interpreter, for the tests that find a rank by its environment: /proc/PID/environ (psutil's
+# Process.environ) holds what a process was started with, and a forked rank's is the launcher's.
 
 
 def train_command(
-    nproc: int, out: Path, shapes_mds: Path, *extra: str, save_folder=None, recipe: str = "tiny-cpu"
+    nproc: int,
+    out: Path,
+    shapes_mds: Path,
+    *extra: str,
+    save_folder=None,
+    recipe: str = "tiny-cpu",
+    launch: list[str] = LAUNCH,
 ) -> list[str]:
     """tests/dist_train.py (train.py plus saving each rank's final UNet and EMA weights) on the tiny
     recipe (or `recipe`, another tiny one), saving every batch, with the loss and sample-key logs the
-    tests compare."""
-    launcher = [sys.executable] if nproc == 1 else [*LAUNCH, "-n", str(nproc)]
+    tests compare; `nproc` > 1 under `launch`."""
+    launcher = [sys.executable] if nproc == 1 else [*launch, "-n", str(nproc)]
     return [
         *launcher,
         str(REPO / "tests/dist_train.py"),

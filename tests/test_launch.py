@@ -1,5 +1,6 @@
 """tests/launch.py, the tests' stand-in for `composer -n N`: each rank gets Composer's environment, and
-one failing rank ends the launch with its code, the others stopped and its error shown."""
+one failing rank ends the launch with its code, the others stopped and its error shown; the same with
+ranks started as new interpreters and forked after --preload."""
 
 import json
 import subprocess
@@ -7,9 +8,12 @@ import time
 
 import pytest
 
-from tests.resume_check import COMPOSER, LAUNCH
+from tests.resume_check import COMPOSER, LAUNCH_EXEC
 
 pytestmark = pytest.mark.subprocess
+
+PLAIN = LAUNCH_EXEC  # each rank a new interpreter
+FORKED = [*PLAIN, "--preload", "json"]  # each rank forked from the launcher (LAUNCH's "recipes": ~9 s)
 
 RANK = """
 import json, os, sys, time
@@ -23,7 +27,7 @@ if sys.argv[2] != "none":
 """
 
 
-def _launch(tmp_path, fail: str, launcher=tuple(LAUNCH)) -> tuple[subprocess.CompletedProcess, float]:
+def _launch(tmp_path, fail: str, launcher) -> tuple[subprocess.CompletedProcess, float]:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     start = time.monotonic()
@@ -40,13 +44,15 @@ def test_each_rank_gets_composers_environment(tmp_path):
     """The same as under Composer's own launcher (run here too, so that an upgrade that changes it
     shows), but for the port, a free one each time."""
     (ours := tmp_path / "ours").mkdir()
+    (forked := tmp_path / "forked").mkdir()
     (composers := tmp_path / "composer").mkdir()
-    for folder, launcher in ((ours, LAUNCH), (composers, [COMPOSER])):
+    for folder, launcher in ((ours, PLAIN), (forked, FORKED), (composers, [COMPOSER])):
         result, _ = _launch(folder, "none", launcher)
         assert result.returncode == 0, result.stderr
     envs = _envs(ours)
     port = envs[0]["MASTER_PORT"]
     assert [{**env, "MASTER_PORT": port} for env in _envs(composers)] == envs
+    assert [{**env, "MASTER_PORT": port} for env in _envs(forked)] == envs
     for rank, env in enumerate(envs):
         assert env == {
             "RANK": str(rank),
@@ -59,8 +65,9 @@ def test_each_rank_gets_composers_environment(tmp_path):
         }
 
 
-def test_a_failing_rank_ends_the_launch_and_shows_its_error(tmp_path):
-    result, seconds = _launch(tmp_path, "1")
+@pytest.mark.parametrize("launcher", [PLAIN, FORKED], ids=["plain", "forked"])
+def test_a_failing_rank_ends_the_launch_and_shows_its_error(tmp_path, launcher):
+    result, seconds = _launch(tmp_path, "1", launcher)
     assert result.returncode == 1 and seconds < 30, (result.returncode, seconds)  # rank 0 slept 120 s
     assert "rank 1 failed" in result.stderr
 

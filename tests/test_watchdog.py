@@ -17,7 +17,7 @@ from extensions.watchdog import EXIT_CODE, MARGIN_S, WINDOW, HangClock, HangWatc
 from recipes import load_config
 from recipes.config import ConfigError, parse_config
 from tests.conftest import REPO, TINY_TEST
-from tests.resume_check import LAUNCH, train_env
+from tests.resume_check import LAUNCH_EXEC, train_env
 
 
 def _stack(thread: str, file: str) -> str:
@@ -264,7 +264,7 @@ def _alive(pid: int) -> bool:
 def test_a_stopped_rank_ends_the_job_with_stacks_and_the_watchdog_code(shapes_mds, tmp_path):
     losses = tmp_path / "loss.jsonl"
     command = [
-        *LAUNCH,
+        *LAUNCH_EXEC,  # _pids_by_rank reads each rank's environment
         "-n",
         "2",
         "--stderr",
