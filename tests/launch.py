@@ -2,17 +2,19 @@
 `composer -n N`, for the tests whose subject is what the ranks do, not the launcher.
 
 It starts each rank with the environment Composer 0.32.1's launcher gives it (composer/cli/launcher.py,
-`_launch_processes`) and, like it, stops the others when one fails. It imports nothing but the
+`_launch_processes`) and, like it, stops the others when one fails. Without --preload it imports only the
 standard library: `composer` itself imports all of Composer first, 4.5 s of CPU per launch and about
 50 s of a `make test` run, where the CPU is the limit. Composer's own launcher stays under test where a
 user's command goes through it: the Slurm job (launch/) and the NaN guard's two ranks.
 
-`--preload MODULE[,MODULE]`: import those modules once here, then fork each rank from this process,
-which runs SCRIPT as `python SCRIPT` would (its environment, argv, sys.path[0], unbuffered output, exit
-status and atexit handlers), but without importing the stack again: a training rank spends ~9 s of CPU
-importing torch, Composer, diffusers and transformers (2026-11-29), ~35 launches of 2 and 4 ranks in
-`make test`. Preload only what every rank imports anyway, and nothing whose import reads a rank's
-variables (RANK, LOCAL_RANK...): ours read them when called. The launcher stays one thread until it forks.
+`--preload MODULE[,MODULE]` (or `--preload stack`: STACK): import those modules once here, then fork
+each rank from this process, which runs SCRIPT as `python SCRIPT` would (its environment, argv,
+sys.path[0], unbuffered output, exit status, thread join and atexit handlers), without importing them
+again: importing the whole stack is ~7 s of CPU per rank (2026-11-29), and `make test` launches ~35
+times 2 or 4 ranks. Preload only modules whose import reads no rank variable (RANK, LOCAL_RANK...):
+Composer's does (composer/utils/checkpoint.py names the sharded file `__{rank}_0.distcp` at import, and
+rank 1 then looked for rank 0's file), and torchmetrics' (rank_zero_only.rank), so STACK stops below
+them: torch, diffusers and transformers, ~4.7 s of the ~7. The launcher stays one thread until it forks.
 """
 
 import argparse
@@ -29,6 +31,22 @@ import tempfile
 import threading
 import time
 import traceback
+
+# The libraries under Composer (see above): compat.torchao first, as models/__init__.py imports it.
+STACK = (
+    "compat.torchao",
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torchvision",
+    "transformers",
+    "transformers.modeling_utils",
+    "diffusers",
+    "diffusers.models",
+    "peft",
+    "accelerate",
+)
 
 
 def free_port() -> int:
@@ -127,7 +145,8 @@ def launch(args) -> tuple[list, list[str]]:
     """The ranks, and the files ranks 1.. write their stderr to."""
     port, ranks, errors = free_port(), [], []
     command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
-    for module in filter(None, (args.preload or "").split(",")):
+    preload = STACK if args.preload == "stack" else (args.preload or "").split(",")
+    for module in filter(None, preload):
         importlib.import_module(module)
     logs = None  # a folder for the output that --stdout/--stderr do not place, made if needed
     for rank in range(args.nproc):

@@ -13,7 +13,7 @@ from tests.resume_check import COMPOSER, LAUNCH_EXEC
 pytestmark = pytest.mark.subprocess
 
 PLAIN = LAUNCH_EXEC  # each rank a new interpreter
-FORKED = [*PLAIN, "--preload", "json"]  # each rank forked from the launcher (LAUNCH's "recipes": ~9 s)
+FORKED = [*PLAIN, "--preload", "json"]  # each rank forked from the launcher (LAUNCH's "stack": ~5 s)
 
 RANK = """
 import json, os, sys, time
