@@ -185,12 +185,14 @@ def reference_run(shapes_mds, tmp_path_factory):
 @pytest.fixture(scope="session")
 def mmdit_reference(shapes_mds, tmp_path_factory):
     """`mmdit_reference(name)`: the folder of one uninterrupted run of a sharded tiny MMDiT shape
-    (tests/fsdp2_runs.py SHAPES), trained once per session and shared by the FSDP2 tests."""
+    (tests/fsdp2_runs.py SHAPES), trained once per session and shared by the FSDP2 tests. Its ranks are
+    new interpreters, each with its own hash seed; the tests' runs are forked (tests/launch.py), so a
+    rank-dependent order (a set's) would show as a difference."""
     from tests.fsdp2_runs import mmdit_command
-    from tests.resume_check import run, train_env
+    from tests.resume_check import LAUNCH_EXEC, run, train_env
 
     def build(out: Path, name: str) -> None:
-        result = run(mmdit_command(name, out, shapes_mds), REPO, train_env())
+        result = run(mmdit_command(name, out, shapes_mds, launch=LAUNCH_EXEC), REPO, train_env())
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
 
     def get(name: str) -> Path:

@@ -227,3 +227,10 @@ def run_cli(*argv) -> int:
     from convert.__main__ import main
 
     return main([str(a) for a in argv] + ["--no-progress"])
+
+
+def done_markers(out: Path) -> list[Path]:
+    """The completion markers a conversion wrote, as convert.pipeline reads them: not the dot-named
+    temporary a marker is written to before its rename (which pathlib's `*` matches too; a kill between
+    the two once counted a marker that was not there)."""
+    return [p for p in (out / "_done").glob("*.json") if not p.name.startswith(".")]

@@ -14,12 +14,17 @@ again: importing the whole stack is ~7 s of CPU per rank (2026-11-29), and `make
 times 2 or 4 ranks. Preload only modules whose import reads no rank variable (RANK, LOCAL_RANK...):
 Composer's does (composer/utils/checkpoint.py names the sharded file `__{rank}_0.distcp` at import, and
 rank 1 then looked for rank 0's file), and torchmetrics' (rank_zero_only.rank), so STACK stops below
-them: torch, diffusers and transformers, ~4.7 s of the ~7. The launcher stays one thread until it forks.
+them: torch, diffusers, transformers, peft, accelerate, ~4.7 s of the ~7. The launcher stays one
+thread until it forks, and starts new interpreters instead where the preload initialised CUDA.
+Forked ranks share the launcher's hash seed (PYTHONHASHSEED): the FSDP2 references the sharded tests
+compare against run with exec'd ranks (tests/conftest.py), so that a rank-dependent set order shows.
 """
 
 import argparse
 import atexit
+import builtins
 import importlib
+import importlib.machinery
 import io
 import os
 import runpy
@@ -30,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
+import types
 
 # The libraries under Composer (see above): compat.torchao first, as models/__init__.py imports it.
 STACK = (
@@ -79,7 +84,10 @@ class ForkedRank:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by a poll the SIGTERM handler interrupted
+                return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)  # -N for signal N, as Popen
         return self.returncode
@@ -113,16 +121,27 @@ def _run_rank(args, env: dict[str, str], streams: dict) -> None:
             if stream is not None:
                 os.dup2(stream.fileno(), fd)
         # PYTHONUNBUFFERED=1, as the rank's environment asks of a new interpreter (`python -u`).
-        sys.stdout = sys.__stdout__ = io.TextIOWrapper(open(1, "wb", 0, closefd=False), write_through=True)
-        sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-            open(2, "wb", 0, closefd=False), write_through=True, errors="backslashreplace"
-        )
-        sys.argv = [args.script, *args.args]
-        if args.module:
-            runpy.run_module(args.script, run_name="__main__", alter_sys=True)
-        else:
-            sys.path[0] = os.path.dirname(os.path.abspath(args.script))
-            runpy.run_path(args.script, run_name="__main__")
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            old = getattr(sys, name)
+            new = io.TextIOWrapper(
+                open(fd, "wb", 0, closefd=False), encoding=old.encoding, errors=old.errors, write_through=True
+            )
+            setattr(sys, name, new)
+            setattr(sys, f"__{name}__", new)
+        if args.module:  # what `python -m` runs: the module as __main__, the working folder first on the path
+            sys.argv = [args.script, *args.args]
+            sys.path[0] = os.getcwd()
+            runpy._run_module_as_main(args.script, alter_argv=True)
+        else:  # what `python SCRIPT` runs: a __main__ module that stays for the atexit handlers
+            path = os.path.abspath(args.script)
+            sys.argv = [args.script, *args.args]
+            sys.path[0] = os.path.dirname(path)
+            main = types.ModuleType("__main__")
+            main.__file__, main.__builtins__ = path, builtins
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+            sys.modules["__main__"] = main
+            with open(path, "rb") as source:
+                exec(compile(source.read(), path, "exec"), main.__dict__)
         code = 0
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
@@ -130,7 +149,7 @@ def _run_rank(args, env: dict[str, str], streams: dict) -> None:
         else:
             print(exit_.code, file=sys.stderr)
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as the interpreter reports it (Composer's loggers hook it)
     finally:
         try:  # what the interpreter does at exit: join the threads that are not daemons, then atexit
             threading._shutdown()
@@ -146,8 +165,16 @@ def launch(args) -> tuple[list, list[str]]:
     port, ranks, errors = free_port(), [], []
     command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
     preload = STACK if args.preload == "stack" else (args.preload or "").split(",")
+    # torch.cuda.is_available() (torchao calls it at import) through NVML: it does not initialise CUDA,
+    # which a forked child could not use.
+    nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     for module in filter(None, preload):
         importlib.import_module(module)
+    if nvml is None:
+        del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+    torch = sys.modules.get("torch")
+    fork = bool(args.preload) and not (torch is not None and torch.cuda.is_initialized())
     logs = None  # a folder for the output that --stdout/--stderr do not place, made if needed
     for rank in range(args.nproc):
         streams = {}
@@ -160,7 +187,7 @@ def launch(args) -> tuple[list, list[str]]:
             streams = {"stdout": open(out, "a"), "stderr": open(err, "a")}  # noqa: SIM115 (the rank's)
             errors.append(err)
         env = rank_env(rank, args.nproc, port)
-        if args.preload:
+        if fork:
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()

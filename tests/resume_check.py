@@ -21,12 +21,13 @@ from tests.conftest import REPO, TINY_TEST
 BATCHES = 8  # 64 samples / 16 per batch = 4 batches an epoch: kills land mid- and across epochs
 COMPOSER = str(REPO / ".venv/bin/composer") if (REPO / ".venv/bin/composer").exists() else "composer"
 # `composer -n N` without Composer's launcher (tests/launch.py says where the real one runs).
+# Each rank a new interpreter: for the tests that find a rank by its environment (/proc/PID/environ,
+# psutil's Process.environ, holds what a process was started with; a forked rank's is the launcher's),
+# and the FSDP2 references (tests/conftest.py).
+LAUNCH_EXEC = [sys.executable, str(REPO / "tests/launch.py")]
 # The ranks train, so the launcher imports the libraries under Composer once and forks them
 # (tests/launch.py --preload).
-LAUNCH_EXEC = [sys.executable, str(REPO / "tests/launch.py")]
 LAUNCH = [*LAUNCH_EXEC, "--preload", "stack"]
-# Each rank a new interpreter, for the tests that find a rank by its environment: /proc/PID/environ (psutil's
-# Process.environ) holds what a process was started with, and a forked rank's is the launcher's.
 
 
 def train_command(

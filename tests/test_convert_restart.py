@@ -13,6 +13,7 @@ import pytest
 from convert.storage import LocalStore
 from tests.conftest import REPO
 from tests.convert_fixtures import (
+    done_markers,
     jpeg,
     make_i2d_tars,
     read_mds,
@@ -125,12 +126,6 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def _markers(out: Path) -> list[Path]:
-    """The completion markers written, as convert.pipeline reads them: not the dot-named temporary a
-    marker is written to before its rename (which pathlib's `*` matches too)."""
-    return [p for p in (out / "_done").glob("*.json") if not p.name.startswith(".")]
-
-
 @pytest.mark.slow
 def test_sigkill_midway_then_rerun_gives_exactly_the_uninterrupted_result(tmp_path):
     src, out, reference = tmp_path / "shards", tmp_path / "out", tmp_path / "reference"
@@ -140,7 +135,7 @@ def test_sigkill_midway_then_rerun_gives_exactly_the_uninterrupted_result(tmp_pa
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while not _markers(out) and proc.poll() is None and time.monotonic() < deadline:
+    while not done_markers(out) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert proc.poll() is None, (
         f"the run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
@@ -156,7 +151,7 @@ def test_sigkill_midway_then_rerun_gives_exactly_the_uninterrupted_result(tmp_pa
         time.sleep(0.01)
     else:
         pytest.fail(f"worker processes {workers} outlived the killed conversion")
-    done_before = len(_markers(out))
+    done_before = len(done_markers(out))
     assert 0 < done_before < 8 and not (out / "index.json").exists()  # killed midway, nothing merged yet
 
     assert run_cli(*argv, "--out", out) == 0

@@ -2,7 +2,7 @@
 MLPerf reference run (its settings are the reference runs' at its global batch, its validation is the
 benchmark's, and it shards within a node and replicates across nodes, as the reference launches);
 yamls/flux-finetune.yaml shards over a node; yamls/tiny-flux-cpu.yaml shards whenever it runs on more
-than one process, and only then."""
+than one process, and only then (its 2-process runs, sharded checkpoints: tests/test_fsdp2_flux.py)."""
 
 import pytest
 from composer.core import Time
@@ -10,8 +10,7 @@ from composer.core import Time
 from recipes import load_config, parse_config
 from recipes.convergence import FLUX1, benchmark_of, run_settings
 from recipes.parallelism import Parallelism, Shape, composer_parallelism, resolve
-from tests.conftest import REPO, TINY_TEST
-from tests.resume_check import LAUNCH, run, train_env
+from tests.conftest import REPO
 
 YAMLS = REPO / "yamls"
 MLPERF = [
@@ -67,30 +66,6 @@ def test_tiny_flux_shards_on_more_than_one_process_only(monkeypatch):
     two = parse_config(load_config(YAMLS / "tiny-flux-cpu.yaml")).parallelism
     assert resolve(two, 2, 2) == resolve(Parallelism(shard="node"), 2, 2) == Shape(2, 1, fsdp2=True)
     assert resolve(two, 4, 2) == Shape(2, 2, fsdp2=True)  # 2 nodes of 2: HSDP, as the full recipe
-
-
-@pytest.mark.subprocess
-def test_tiny_flux_under_two_processes_writes_sharded_checkpoints(shapes_mds, tmp_path):
-    """`composer -n 2 train.py yamls/tiny-flux-cpu.yaml` (tests/launch.py, the launcher's environment)
-    for 2 batches: FSDP2 over both processes, and a sharded checkpoint, one file per rank."""
-    command = [
-        *LAUNCH,
-        "-n",
-        "2",
-        str(REPO / "train.py"),
-        str(YAMLS / "tiny-flux-cpu.yaml"),
-        *TINY_TEST,
-        f"data.train.local={shapes_mds / 'mds'}",
-        "~data.train.prepare",
-        "trainer.max_duration=2ba",
-        f"trainer.save_folder={tmp_path / 'ckpt'}",
-        "trainer.progress_bar=false",
-    ]
-    result = run(command, REPO, train_env())
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "parallelism: FSDP2, the denoiser sharded over 2 CPU process(es) x 1 copy" in result.stderr
-    saved = tmp_path / "ckpt" / "ep0-ba2"
-    assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
 @pytest.mark.fit

@@ -16,7 +16,7 @@ from convert.encoders import load_encoders
 from convert.latents import _pixels
 from data.buckets import bucket_size
 from tests.conftest import REPO, shared_folder
-from tests.convert_fixtures import encode, photo, read_mds, run_cli
+from tests.convert_fixtures import done_markers, encode, photo, read_mds, run_cli
 from tests.s3_server import BUCKET, s3_server  # noqa: F401  (fixture)
 from tests.test_convert_s3 import keys_under, s3_env  # noqa: F401  (fixtures)
 
@@ -141,7 +141,7 @@ def test_sigkill_midway_then_rerun_equals_a_clean_run(sources, tmp_path):
         cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 120
-    while not list((out / "_done").glob("*.json")) and proc.poll() is None and time.monotonic() < deadline:
+    while not done_markers(out) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     assert proc.poll() is None, f"ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
     os.killpg(proc.pid, signal.SIGKILL)  # the parent and its workers, at once
@@ -153,7 +153,7 @@ def test_sigkill_midway_then_rerun_equals_a_clean_run(sources, tmp_path):
         time.sleep(0.01)
     else:
         pytest.fail(f"processes {_alive(proc.pid)} outlived the kill")
-    done_before = len(list((out / "_done").glob("*.json")))
+    done_before = len(done_markers(out))
     assert 0 < done_before < INPUTS and not (out / "index.json").exists()
 
     assert run_cli(*run) == 0

@@ -16,12 +16,19 @@ PLAIN = LAUNCH_EXEC  # each rank a new interpreter
 FORKED = [*PLAIN, "--preload", "json"]  # each rank forked from the launcher (LAUNCH's "stack": ~5 s)
 
 RANK = """
-import json, os, sys, time
+import atexit, json, os, sys, threading, time
 keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 with open(os.path.join(sys.argv[1], f"env{os.environ['RANK']}.json"), "w") as f:
     json.dump({k: os.environ[k] for k in keys}, f)
+# At exit, after a thread that is not a daemon has ended: as a new interpreter ends
+late = threading.Thread(target=time.sleep, args=(0.5,))
+late.start()
+mark = os.path.join(sys.argv[1], f"exit{os.environ['RANK']}")
+atexit.register(lambda: late.is_alive() or open(mark, "w").close())
 if sys.argv[2] == os.environ["RANK"]:
     sys.exit("rank " + os.environ["RANK"] + " failed")
+if sys.argv[2] == "raise" + os.environ["RANK"]:
+    raise RuntimeError("rank " + os.environ["RANK"] + " raised")
 if sys.argv[2] != "none":
     time.sleep(120)  # stopped by the launcher
 """
@@ -50,6 +57,7 @@ def test_each_rank_gets_composers_environment(tmp_path):
         result, _ = _launch(folder, "none", launcher)
         assert result.returncode == 0, result.stderr
     envs = _envs(ours)
+    assert all((folder / f"exit{rank}").is_file() for folder in (ours, forked) for rank in (0, 1))
     port = envs[0]["MASTER_PORT"]
     assert [{**env, "MASTER_PORT": port} for env in _envs(composers)] == envs
     assert [{**env, "MASTER_PORT": port} for env in _envs(forked)] == envs
@@ -66,10 +74,13 @@ def test_each_rank_gets_composers_environment(tmp_path):
 
 
 @pytest.mark.parametrize("launcher", [PLAIN, FORKED], ids=["plain", "forked"])
-def test_a_failing_rank_ends_the_launch_and_shows_its_error(tmp_path, launcher):
-    result, seconds = _launch(tmp_path, "1", launcher)
+@pytest.mark.parametrize("fail", ["1", "raise1"])
+def test_a_failing_rank_ends_the_launch_and_shows_its_error(tmp_path, launcher, fail):
+    """sys.exit(message) or an uncaught exception in rank 1: exit status 1, its message or traceback."""
+    result, seconds = _launch(tmp_path, fail, launcher)
     assert result.returncode == 1 and seconds < 30, (result.returncode, seconds)  # rank 0 slept 120 s
-    assert "rank 1 failed" in result.stderr
+    said = "rank 1 failed" if fail == "1" else "Traceback (most recent call last):"
+    assert said in result.stderr and ("RuntimeError: rank 1 raised" in result.stderr) == (fail != "1")
 
 
 def test_a_config_error_under_composer_is_said_once_and_last_of_ours(tmp_path):
