@@ -169,10 +169,14 @@ def launch(args) -> tuple[list, list[str]]:
     # which a forked child could not use.
     nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    for module in filter(None, preload):
-        importlib.import_module(module)
-    if nvml is None:
-        del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+    try:
+        for module in filter(None, preload):
+            importlib.import_module(module)
+    finally:  # the ranks get the environment this launcher was given
+        if nvml is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = nvml
     torch = sys.modules.get("torch")
     fork = bool(args.preload) and not (torch is not None and torch.cuda.is_initialized())
     logs = None  # a folder for the output that --stdout/--stderr do not place, made if needed
