@@ -100,7 +100,10 @@ def load_encoders(preset: str, pretrained: str | None = None, t5: bool = False) 
     # A bundled_t5 preset's random T5 comes under its component names.
     roles = {"t5": parts.pop(T5_ENCODER, None), "t5_tokenizer": parts.pop(T5_TOKENIZER, None)}
     if t5 and family.reads_t5 and pretrained is not None:
-        roles = {role: load_component(name, pretrained, preset) for role, name in zip(roles, OPTIONAL)}
+        roles = {
+            "t5": load_component(T5_ENCODER, pretrained, preset),
+            "t5_tokenizer": load_component(T5_TOKENIZER, pretrained, preset),
+        }
     return Encoders(family, **parts, **roles, **families.preset_options(preset))
 
 

@@ -137,7 +137,7 @@ def command_for(args, out: Path, data: Path) -> tuple[list[str], int]:
     """The run's command and its number of batches."""
     from tests import fsdp2_runs, resume_check
 
-    launch = resume_check.LAUNCH_EXEC  # ranks as new interpreters: the rank-1 kill finds its by environment
+    launch = resume_check.LAUNCH_EXEC  # new interpreters: the rank-1 kill finds that rank by its environment
     if args.sharded:
         return fsdp2_runs.mmdit_command("shard-2", out, data, launch=launch), fsdp2_runs.BATCHES
     return resume_check.train_command(2, out, data, launch=launch), resume_check.BATCHES
